@@ -1,0 +1,144 @@
+"""The study's network, its normalizations, and several runs of it packed into one wide model.
+
+The runs of one grid cell differ only in their seed. At micro-batch 1 a step is dominated by
+fixed per-call cost, so instead of R small models we train one model R times as wide, in
+which run r owns channel block r of every layer:
+
+- each conv becomes a grouped conv (groups=R): block r of the output sees only block r of the
+  input, through run r's own weights;
+- BatchNorm and InstanceNorm normalize each channel on its own, so they work unchanged on
+  R*C channels; GroupNorm(G, C) becomes GroupNorm(R*G, R*C), whose groups never straddle
+  two runs; ReLU and max-pool act per channel;
+- the linear head becomes a grouped 1x1 conv.
+
+The loss is the sum over runs of each run's mean loss, so every run's parameters get exactly
+the gradient they would get alone, and Adam, being elementwise, steps each block as R
+separate Adams would. A norm that mixes channels (a channels-first LayerNorm) cannot be
+packed this way; `stackable` says so and the runner then trains such runs one at a time.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+import accumnorm
+
+NormFn = Callable[[int], nn.Module]
+
+# The study's own normalizations, as its loop builds them (torch modules, torch defaults).
+STUDY_NORMS: dict[str, NormFn | None] = {
+    "bn": nn.BatchNorm2d,
+    "gn4": lambda c: nn.GroupNorm(4, c),
+    "gn16": lambda c: nn.GroupNorm(16, c),
+    "in": nn.InstanceNorm2d,
+    "none": None,
+}
+EXACT_BN = "bn-exact"  # accumnorm's BatchNorm, trained with accumnorm.backward(bn="exact")
+
+# Layers whose computation splits per channel, or per group of channels, with no other mixing.
+_PER_CHANNEL = (nn.ReLU, nn.MaxPool2d, nn.Identity)
+_PER_CHANNEL_NORMS = (_BatchNorm, _InstanceNorm, nn.GroupNorm)
+
+
+def norm_fn(name: str) -> NormFn | None:
+    """The normalization `name` builds, as a function of the channel count.
+
+    The study's names (bn, gn4, gn16, in, none) keep the study's torch modules so that its
+    numbers are reproduced; `bn-exact` is accumnorm's BatchNorm; any other name goes to
+    `accumnorm.norm`, which raises a ValueError listing the valid names.
+    """
+    if name in STUDY_NORMS:
+        return STUDY_NORMS[name]
+    if name == EXACT_BN:
+        return accumnorm.BatchNorm2d
+    accumnorm.norm(name, 16)  # fail now, with accumnorm's list of names, not mid-grid
+    return lambda c: accumnorm.norm(name, c)
+
+
+class SimpleModel(nn.Module):
+    """The study's VGG-like network, layer for layer as its loop builds it (same init order)."""
+
+    def __init__(self, norm: NormFn | None = None, channels: Sequence[int] = (32, 64, 128, 256),
+                 in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        layers: list[nn.Module] = []
+        prev = in_channels
+        for i, c in enumerate(channels):
+            layers.append(nn.Conv2d(prev, c, 3, padding=1))
+            if norm is not None:
+                layers.append(norm(c))
+            layers.append(nn.ReLU())
+            if i < len(channels) - 1:
+                layers.append(nn.MaxPool2d(2))
+            prev = c
+        self.features = nn.Sequential(*layers)
+        self.dense = nn.Linear(prev, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense(self.features(x).mean((2, 3)))  # global average pool
+
+
+def stackable(model: SimpleModel) -> bool:
+    """Whether R copies of `model` can be packed into one StackedModel without mixing runs."""
+    return all(isinstance(m, _PER_CHANNEL + (nn.Conv2d,) + _PER_CHANNEL_NORMS) for m in model.features)
+
+
+class StackedModel(nn.Module):
+    """R SimpleModels (same architecture, own weights) trained as one: run r owns block r.
+
+    Input (N, R, C, H, W): sample n of every run, one image per run. Output (N, R, classes).
+    """
+
+    def __init__(self, models: Sequence[SimpleModel]):
+        super().__init__()
+        if not all(stackable(m) for m in models):
+            raise ValueError("these models mix channels (e.g. a channels-first LayerNorm) and cannot be stacked")
+        self.runs = len(models)
+        self.features = nn.Sequential(*(_stack([m.features[i] for m in models]) for i in range(len(models[0].features))))
+        self.dense = _stack([m.dense for m in models])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.features(x.flatten(1, 2))  # (N, R*C, H, W): run r's image in channel block r
+        return self.dense(h.mean((2, 3), keepdim=True)).view(x.shape[0], self.runs, -1)
+
+
+class SingleRun(nn.Module):
+    """One SimpleModel behind StackedModel's interface (R = 1), for runs that cannot be stacked."""
+
+    def __init__(self, model: SimpleModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.squeeze(1)).unsqueeze(1)
+
+
+def _stack(layers: list[nn.Module]) -> nn.Module:
+    """One wide layer doing the work of `layers` (one per run) side by side on channel blocks."""
+    first, runs = layers[0], len(layers)
+    if isinstance(first, _PER_CHANNEL):
+        return first  # stateless and per channel: one instance serves every block
+    if isinstance(first, nn.Conv2d):
+        wide = nn.Conv2d(runs * first.in_channels, runs * first.out_channels, first.kernel_size,
+                         first.stride, first.padding, groups=runs, bias=first.bias is not None)
+    elif isinstance(first, nn.Linear):  # a grouped 1x1 conv applies each run's own matrix
+        wide = nn.Conv2d(runs * first.in_features, runs * first.out_features, 1, groups=runs,
+                         bias=first.bias is not None)
+    else:  # a per-channel norm: same module (class, eps, momentum...), R times the channels
+        wide = copy.deepcopy(first)
+        for attr in ("num_features", "num_groups", "num_channels"):
+            if hasattr(wide, attr):
+                setattr(wide, attr, runs * getattr(wide, attr))
+    # Replace every per-channel tensor by the runs' tensors laid end to end along dim 0; 0-dim
+    # buffers (BatchNorm's num_batches_tracked) count steps, which all runs share.
+    for name, tensor in [*wide.named_parameters(recurse=False), *wide.named_buffers(recurse=False)]:
+        if tensor is None or tensor.dim() == 0:
+            continue
+        blocks = torch.cat([getattr(layer, name).detach().reshape(-1, *tensor.shape[1:]) for layer in layers])
+        setattr(wide, name, nn.Parameter(blocks) if isinstance(tensor, nn.Parameter) else blocks)
+    return wide

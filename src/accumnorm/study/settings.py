@@ -1,0 +1,52 @@
+"""What a study measures: its settings, checked once, and the BxK config strings."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .model import norm_fn
+
+_CONFIG = re.compile(r"(\d+)x(\d+)")
+
+
+def parse_config(text: str) -> tuple[int, int]:
+    """'4x4' -> (micro-batch size B, accumulation count K)."""
+    match = _CONFIG.fullmatch(text.strip()) if isinstance(text, str) else None
+    if match is None or min(int(match[1]), int(match[2])) < 1:
+        raise ValueError(f"expected BxK like 4x4, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """What a study measures; saved as settings.json next to its results."""
+
+    dataset: str = "mnist"
+    data_dir: str | None = None
+    norms: tuple[str, ...] = ("bn", "bn-exact", "gn4", "gn16", "in", "none")
+    configs: tuple[str, ...] = ("16x1", "1x16", "4x4", "1x1")
+    runs: int = 3
+    iterations: int = 3600
+    eval_every: int = 300
+    lr: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("runs", "iterations", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not self.norms or not self.configs:
+            raise ValueError(f"need at least one norm and one config, got norms={self.norms!r} configs={self.configs!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        for name in self.norms:
+            norm_fn(name)  # unknown names fail here, before any file is written
+        # Canonical spellings, so that ' 4x4' and '4x4' are the same settings on disk.
+        object.__setattr__(self, "configs", tuple("{}x{}".format(*parse_config(c)) for c in self.configs))
+        object.__setattr__(self, "norms", tuple(self.norms))
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "norms": list(self.norms), "configs": list(self.configs)}
