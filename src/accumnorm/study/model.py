@@ -56,7 +56,11 @@ def norm_fn(name: str) -> NormFn | None:
         return STUDY_NORMS[name]
     if name == EXACT_BN:
         return accumnorm.BatchNorm2d
-    accumnorm.norm(name, 16)  # fail now, with accumnorm's list of names, not mid-grid
+    try:
+        accumnorm.norm(name, 16)  # fail now, not mid-grid
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"unknown norm {name!r}: expected one of the study's {', '.join([*STUDY_NORMS, EXACT_BN])} "
+                         f"or an accumnorm.norm name ({err})") from err
     return lambda c: accumnorm.norm(name, c)
 
 

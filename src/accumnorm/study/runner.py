@@ -41,7 +41,7 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     """
     settings = settings or StudySettings()
     out = Path(out)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _device(device)
     data_dir = None if settings.dataset == "digits" or settings.data_dir is None else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
     data = load_dataset(settings.dataset, settings.data_dir).to(device)  # may fail: nothing written yet
@@ -68,6 +68,18 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     bar.close()
     write_report(out, settings, store.read_results(out), failures, device=str(device))
     return out
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"device must be like 'cpu' or 'cuda', got {device!r}") from err
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
 
 
 def _progress_bar(total: int, initial: int, enabled: bool):

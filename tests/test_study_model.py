@@ -1,0 +1,109 @@
+"""Oracle tests: R runs stacked into one wide model behave exactly as R separate SimpleModels."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import accumnorm
+from accumnorm.study.model import SimpleModel, SingleRun, StackedModel, norm_fn, stackable
+
+R = 3
+STACKABLE = ["bn", "bn-exact", "gn4", "gn16", "in", "none", "gn8", "bn2d"]  # study names and accumnorm names
+
+
+def _runs(name, seed=0):
+    """R models as the runner builds them (run r under seed r), with non-trivial norm affine params."""
+    models = []
+    for r in range(R):
+        torch.manual_seed(seed + r)
+        m = SimpleModel(norm_fn(name), channels=(16, 16, 32, 32))
+        for mod in m.modules():
+            if getattr(mod, "weight", None) is not None and mod.weight.dim() == 1:  # norm affine: off its init
+                with torch.no_grad():
+                    mod.weight.uniform_(0.5, 1.5)
+                    mod.bias.uniform_(-0.5, 0.5)
+        models.append(m)
+    return models
+
+
+def _block(t, r):
+    return t.chunk(R, dim=0)[r]  # run r owns block r along dim 0 of every stacked tensor
+
+
+def _loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(0).sum()
+
+
+def _data(n=8, size=16):
+    torch.manual_seed(123)
+    return torch.rand(n, R, 1, size, size), torch.randint(0, 10, (n, R))
+
+
+@pytest.mark.parametrize("name", STACKABLE)
+def test_stacked_outputs_and_gradients_equal_separate_runs(name):
+    models = _runs(name)
+    stacked = StackedModel(_runs(name))  # same seeds: identical initial weights, packed
+    x, y = _data()
+    out = stacked(x)
+    _loss(stacked, (x, y)).backward()
+    for r, m in enumerate(models):
+        torch.testing.assert_close(out[:, r], m(x[:, r]), rtol=1e-4, atol=1e-5)
+        F.cross_entropy(m(x[:, r]), y[:, r]).backward()
+        for (pn, p), q in zip(m.named_parameters(), stacked.parameters()):
+            torch.testing.assert_close(_block(q.grad, r).reshape(p.shape), p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{pn}: {m}")
+
+
+@pytest.mark.parametrize("name,bn", [("bn", "micro"), ("bn-exact", "exact"), ("gn4", "micro")])
+def test_training_steps_with_adam_equal_separate_runs(name, bn):
+    """Three Adam steps through accumnorm.backward (K=4 micro-batches of 2): weights, running stats, eval outputs.
+
+    In float64: a conv bias right before BatchNorm has a zero gradient in exact arithmetic, and
+    Adam turns its float32 round-off (~1e-8, the size of Adam's eps) into full-size steps.
+    """
+    models, stacked = [m.double() for m in _runs(name)], StackedModel(_runs(name)).double()
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+    opt = torch.optim.Adam(stacked.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = _data(8, size=8)
+        x = x.double() + step  # a different batch each step
+        accumnorm.backward(stacked, (x, y), _loss, micro_batch_size=2, bn=bn)
+        opt.step()
+        opt.zero_grad()
+        for r, (m, o) in enumerate(zip(models, opts)):
+            accumnorm.backward(m, (x[:, r], y[:, r]), lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+                               micro_batch_size=2, bn=bn)
+            o.step()
+            o.zero_grad()
+    stacked.eval()
+    x = _data(5, size=8)[0].double()
+    for r, m in enumerate(models):
+        for (pn, p), q in zip(m.state_dict().items(), stacked.state_dict().values()):
+            if p.dim():
+                torch.testing.assert_close(_block(q, r).reshape(p.shape), p, rtol=1e-6, atol=1e-6, msg=lambda m: f"{pn}: {m}")
+        torch.testing.assert_close(stacked(x)[:, r], m.eval()(x[:, r]), rtol=1e-6, atol=1e-6)
+
+
+def test_exact_bn_at_micro_batch_1_matches_torch_bn_on_the_whole_batch():
+    """bn-exact at 1x8 gives the gradient torch's BatchNorm gives at 8x1, also when stacked."""
+    stacked_exact, stacked_big = StackedModel(_runs("bn-exact")), StackedModel(_runs("bn"))
+    x, y = _data(8)
+    accumnorm.backward(stacked_exact, (x, y), _loss, micro_batch_size=1, bn="exact")
+    _loss(stacked_big, (x, y)).backward()
+    for p, q in zip(stacked_exact.parameters(), stacked_big.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_layer_norm_is_not_stackable_and_runs_alone():
+    """A channels-first LayerNorm mixes channels: stacking it would mix runs, so it is refused."""
+    models = _runs("ln")
+    assert not stackable(models[0])
+    assert all(stackable(m) for m in _runs("gn4"))
+    with pytest.raises(ValueError, match="cannot be stacked"):
+        StackedModel(models)
+    x, _ = _data()
+    torch.testing.assert_close(SingleRun(models[0])(x[:, :1])[:, 0], models[0](x[:, 0]))
+
+
+def test_unknown_norm_lists_study_and_accumnorm_names():
+    with pytest.raises(ValueError, match=r"unknown norm 'bogus'.*bn-exact.*gn<G>"):
+        norm_fn("bogus")
