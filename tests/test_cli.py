@@ -1,0 +1,51 @@
+"""`accumnorm study` on the command line: options reach the runner, bad input is a clear error."""
+import json
+
+import pytest
+
+import accumnorm.study
+from accumnorm.cli import QUICK, main
+
+
+def test_bad_config_string_is_a_clear_error_and_writes_nothing(tmp_path, capsys):
+    assert main(["study", "--quick", "--configs", "1x16,4-4", "--out", str(tmp_path / "out")]) == 2
+    assert "expected BxK like 4x4, got '4-4'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_quick_grid_is_the_default_and_options_override_it(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(accumnorm.study, "run_study", lambda out, settings, **kw: seen.update(out=out, settings=settings, **kw))
+    assert main(["study", "--quick", "--runs", "1", "--norms", "bn, gn16"]) == 0
+    s = seen["settings"]
+    assert (s.dataset, s.configs, s.iterations, s.eval_every) == ("digits", tuple(QUICK["configs"].split(",")), 300, 50)
+    assert (s.runs, s.norms, seen["out"], seen["progress"]) == (1, ("bn", "gn16"), "study-out/quick", True)
+    assert main(["study", "--dataset", "fashion-mnist", "--no-progress"]) == 0
+    s = seen["settings"]
+    assert (s.dataset, s.iterations, s.eval_every, s.runs, "bn-exact" in s.norms) == ("fashion-mnist", 3600, 300, 3, True)
+    assert (seen["out"], seen["progress"]) == ("study-out/fashion-mnist", False)
+
+
+def test_a_tiny_study_from_the_command_line(tmp_path):
+    out = tmp_path / "out"
+    args = ["study", "--quick", "--norms", "none", "--configs", "2x2", "--runs", "1", "--iterations", "2",
+            "--eval-every", "1", "--lr", "0.01", "--seed", "3", "--device", "cpu", "--threads", "1",
+            "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    assert {p.name for p in out.iterdir()} == {"results.csv", "summary.md", "curves.png", "report.html", "settings.json"}
+    assert json.loads((out / "settings.json").read_text()) == dict(
+        dataset="digits", data_dir=None, norms=["none"], configs=["2x2"], runs=1, iterations=2, eval_every=1,
+        lr=0.01, seed=3)
+    assert len((out / "results.csv").read_text().splitlines()) == 1 + 2  # header, steps 1 and 2
+    assert main(args) == 0  # rerun: everything done, nothing appended
+    assert len((out / "results.csv").read_text().splitlines()) == 1 + 2
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--dataset", "--data-dir", "--norms", "--configs", "--runs", "--iterations", "--eval-every",
+                   "--lr", "--seed", "--device", "--out", "--quick"):
+        assert option in text
