@@ -253,13 +253,12 @@ class Trainer:
         own = self.model.state_dict()
         missing = sorted(own.keys() - state["model"].keys())
         unexpected = sorted(state["model"].keys() - own.keys())
-        shapes = [f"{k}: checkpoint {tuple(state['model'][k].shape)}, model {tuple(v.shape)}"
+        shapes = [f"{k} {tuple(state['model'][k].shape)} in checkpoint, {tuple(v.shape)} in model"
                   for k, v in own.items() if k in state["model"] and state["model"][k].shape != v.shape]
         if missing or unexpected or shapes:
-            raise ValueError("the checkpoint is from another model: "
-                             + "; ".join(f"{what}: {', '.join(keys)}" for what, keys in
-                                         (("missing in checkpoint", missing), ("not in model", unexpected),
-                                          ("shapes differ", shapes)) if keys))
+            raise ValueError("the checkpoint is from another model:" + "".join(
+                f"\n  {what}: {'; '.join(keys)}" for what, keys in (
+                    ("missing in checkpoint", missing), ("not in model", unexpected), ("shapes differ", shapes)) if keys))
         for name, ours in (("scheduler", self.scheduler), ("scaler", self.scaler)):
             if (state[name] is None) != (ours is None):
                 raise ValueError(f"the checkpoint {'has no' if state[name] is None else 'has a'} {name} "
