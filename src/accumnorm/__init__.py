@@ -1,0 +1,32 @@
+"""accumnorm: BatchNorm that is exact under gradient accumulation, and norms that swap behind one factory.
+
+    import accumnorm
+    model = accumnorm.convert(model)            # torch BatchNorm -> accumnorm BatchNorm, same tensors
+    loss = accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=4)   # exact whole-batch gradient
+    optimizer.step()
+"""
+from .accumulation import backward
+from .layers import (
+    NORM_NAMES,
+    BatchNorm,
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    convert,
+    norm,
+    revert,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "backward",
+    "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
+    "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm",
+    "norm", "NORM_NAMES", "convert", "revert",
+]

@@ -1,0 +1,154 @@
+"""Functional core of accumnorm's BatchNorm: statistics that merge across micro-batches and ranks,
+and a normalization whose backward uses whole-batch sums.
+
+Whole-batch BatchNorm in training mode computes, per channel,
+
+    y  = x_hat * weight + bias,        x_hat = (x - mean) * invstd,   invstd = 1 / sqrt(var + eps)
+    dx = weight * invstd * (dy - sum(dy) / N - x_hat * sum(dy * x_hat) / N)
+
+with mean, var (biased) and both sums taken over all N values of the channel in the batch. Those
+four quantities are the only coupling between samples: SyncBatchNorm all-reduces them across GPUs,
+accumnorm reduces them across micro-batches (and ranks). Everything here works on one micro-batch
+and leaves the reducing to the caller (`accumnorm.accumulation`).
+
+Statistics and sums are kept in float32 (float64 for float64 inputs) whatever the input dtype, so
+that bf16/fp16 autocast never degrades them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["Moments", "moments", "combine_moments", "GradSums", "normalize"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics are accumulated in: float64 stays, everything else becomes float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _channel_shape(x: Tensor) -> list[int]:
+    """Shape that broadcasts a per-channel vector against x = (N, C, *)."""
+    return [1, x.shape[1]] + [1] * (x.dim() - 2)
+
+
+def _reduce_dims(x: Tensor) -> list[int]:
+    return [0] + list(range(2, x.dim()))
+
+
+@dataclass
+class Moments:
+    """Per-channel count, mean and sum of squared deviations (m2) of a set of values.
+
+    Kept as (count, mean, m2) rather than (sum, sum of squares) because merging those is exact up
+    to rounding (Chan et al.) where sum-of-squares cancels catastrophically in float32.
+    """
+
+    count: Tensor  # scalar, acc dtype
+    mean: Tensor  # (C,)
+    m2: Tensor  # (C,)
+
+    @property
+    def var(self) -> Tensor:
+        """Biased variance: what BatchNorm normalizes with."""
+        return self.m2 / self.count
+
+    def pack(self) -> Tensor:
+        """One flat tensor [count, mean..., m2...], for a single all_gather across ranks."""
+        return torch.cat([self.count.reshape(1), self.mean, self.m2])
+
+    @staticmethod
+    def unpack(flat: Tensor) -> "Moments":
+        c = (flat.shape[-1] - 1) // 2
+        return Moments(flat[..., 0], flat[..., 1 : 1 + c], flat[..., 1 + c :])
+
+
+def moments(x: Tensor) -> Moments:
+    """Per-channel moments of x = (N, C, *) over every dimension but the channel one."""
+    xa, dims = x.to(acc_dtype(x.dtype)), _reduce_dims(x)
+    # Two passes (mean, then squared deviations): as accurate as Welford and, on CPU, several times
+    # faster than torch.var_mean over non-trailing dims.
+    mean = xa.mean(dims)
+    m2 = (xa - mean.view(_channel_shape(x))).square().sum(dims)
+    # new_full launches a fill on the device; torch.tensor(n, device=...) would be a blocking copy
+    return Moments(mean.new_full((), x.numel() // x.shape[1]), mean, m2)
+
+
+def combine_moments(parts: Moments) -> Moments:
+    """Merge moments stacked along dim 0 (count (K,), mean (K, C), m2 (K, C)) into one set.
+
+    mean = sum(n_k mean_k) / n,   m2 = sum(m2_k + n_k (mean_k - mean)^2)
+    """
+    n = parts.count.sum()
+    w = (parts.count / n).unsqueeze(-1)
+    mean = (w * parts.mean).sum(0)
+    m2 = (parts.m2 + parts.count.unsqueeze(-1) * (parts.mean - mean) ** 2).sum(0)
+    return Moments(n, mean, m2)
+
+
+class GradSums:
+    """The whole-batch backward terms of one BatchNorm call: sum(dy) and sum(dy * x_hat) per channel.
+
+    `collect=True` while they are still being summed (the layer back-propagates the uncorrected
+    gradient weight * invstd * dy and adds its micro-batch's share here); once complete, `total`
+    makes the backward exact.
+    """
+
+    def __init__(self, num_channels: int, count: Tensor) -> None:
+        self.count = count
+        self.sum_dy = torch.zeros(num_channels, dtype=count.dtype, device=count.device)
+        self.sum_dy_xhat = torch.zeros_like(self.sum_dy)
+        self.collect = True
+
+    def add(self, sum_dy: Tensor, sum_dy_xhat: Tensor) -> None:
+        self.sum_dy += sum_dy
+        self.sum_dy_xhat += sum_dy_xhat
+
+    def correction(self, x_hat: Tensor, scale: Tensor) -> Tensor:
+        """What the exact backward adds to the uncorrected one: -scale * (sum_dy + x_hat * sum_dy_xhat) / N."""
+        shape = _channel_shape(x_hat)
+        return -(self.sum_dy.view(shape) + x_hat * self.sum_dy_xhat.view(shape)) * (scale / self.count).view(shape)
+
+
+class _Normalize(torch.autograd.Function):
+    """y = (x - mean) * invstd * weight + bias with mean/invstd fixed; backward per `GradSums`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, var, eps, sums):  # type: ignore[override]
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.eps, ctx.sums = eps, sums
+        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        x, weight, mean, var = ctx.saved_tensors
+        sums: GradSums = ctx.sums
+        shape = _channel_shape(x)
+        invstd = torch.rsqrt(var + ctx.eps)
+        x_hat = (x.to(mean.dtype) - mean.view(shape)) * invstd.view(shape)
+        dy_acc = dy.to(mean.dtype)
+        dims = _reduce_dims(x)
+        sum_dy, sum_dy_xhat = dy_acc.sum(dims), (dy_acc * x_hat).sum(dims)
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = dy_acc * scale.view(shape)
+            if not sums.collect:
+                dx = dx + sums.correction(x_hat, scale)
+            dx = dx.to(x.dtype)
+        if sums.collect:
+            sums.add(sum_dy, sum_dy_xhat)
+        grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        return dx, grad_w, grad_b, None, None, None, None
+
+
+def normalize(
+    x: Tensor, mean: Tensor, var: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, sums: GradSums
+) -> Tensor:
+    """BatchNorm of x with given (whole-batch) statistics; its backward collects into or uses `sums`."""
+    return _Normalize.apply(x, weight, bias, mean, var, eps, sums)
