@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
+from accumnorm.trainer import Trainer
 from accumnorm import distributed
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,9 +89,9 @@ def evaluate(model: nn.Module) -> dict[str, float]:
 checkpoint = Path(args.out) / "checkpoint.pt"
 kwargs = dict(scheduler=scheduler, max_grad_norm=1.0)
 if checkpoint.exists():  # resume: the next step trains on the very batch the stopped run would have
-    trainer = accumnorm.Trainer.load(checkpoint, model, optimizer, loss_fn, **kwargs)
+    trainer = Trainer.load(checkpoint, model, optimizer, loss_fn, **kwargs)
 else:
-    trainer = accumnorm.Trainer(model, optimizer, loss_fn, micro_batch_size=args.micro_batch_size,
+    trainer = Trainer(model, optimizer, loss_fn, micro_batch_size=args.micro_batch_size,
                                 amp=args.amp, **kwargs)
 final = trainer.fit(loader, steps=args.steps, eval_fn=evaluate, eval_every=args.eval_every, log=args.out,
                     checkpoint_every=args.eval_every)

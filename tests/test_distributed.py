@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
+from accumnorm.trainer import Trainer
 from accumnorm import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +54,7 @@ def worker(scenario: str, out: Path) -> None:
             model = accumnorm.convert(net())
             if name == "ddp_wrapped":
                 model = nn.parallel.DistributedDataParallel(model)
-            trainer = accumnorm.Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
+            trainer = Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
             losses = [trainer.step(distributed.shard(b)) for b in batches(sizes)]
             torch.save({"losses": losses, "state": trainer.model.state_dict()}, out / f"{name}-{env.rank}.pt")
         try:
@@ -62,7 +63,7 @@ def worker(scenario: str, out: Path) -> None:
             (out / f"shard-error-{env.rank}.txt").write_text(str(e))
     elif scenario in ("raise", "stall"):
         model = accumnorm.convert(net())
-        trainer = accumnorm.Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
+        trainer = Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
 
         def failing_loss(model, batch):
             if env.rank == 1 and trainer.step_count == 2:

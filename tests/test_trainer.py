@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
+from accumnorm.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +97,7 @@ def test_step_equals_whole_batch_pytorch_including_a_short_last_batch():
 
     model = accumnorm.convert(small_net())
     opt, sched = make(model)
-    trainer = accumnorm.Trainer(model, opt, loss_fn, micro_batch_size=4, scheduler=sched, max_grad_norm=0.5)
+    trainer = Trainer(model, opt, loss_fn, micro_batch_size=4, scheduler=sched, max_grad_norm=0.5)
     losses = [trainer.step(b) for b in data]
     assert losses == pytest.approx(oracle_losses, rel=1e-5)
     assert trainer.step_count == 3 and sched.get_last_lr() == [0.2 * 0.5 ** 3]
@@ -107,7 +108,7 @@ def test_step_equals_whole_batch_pytorch_including_a_short_last_batch():
 # ---------------------------------------------------------------- fit, logs, errors
 def test_fit_runs_epochs_logs_and_evaluates(tmp_path):
     model = accumnorm.convert(small_net())
-    trainer = accumnorm.Trainer(model, torch.optim.Adam(model.parameters(), 1e-2), loss_fn, micro_batch_size=3)
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-2), loss_fn, micro_batch_size=3)
     loader = torch.utils.data.DataLoader(NoisyDigits(20), batch_size=8)  # 8, 8, 4 per epoch
     evals = []
     final = trainer.fit(loader, epochs=2, eval_fn=lambda m: evals.append(m.training) or 0.5, eval_every=4,
@@ -126,10 +127,10 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     model = accumnorm.convert(small_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="amp='fp16' needs the model on a CUDA device.*on cpu"):
-        accumnorm.Trainer(model, opt, loss_fn, micro_batch_size=2, amp="fp16")
+        Trainer(model, opt, loss_fn, micro_batch_size=2, amp="fp16")
     with pytest.raises(ValueError, match="amp must be None, 'bf16' or 'fp16', got 'fp8'"):
-        accumnorm.Trainer(model, opt, loss_fn, micro_batch_size=2, amp="fp8")
-    trainer = accumnorm.Trainer(model, opt, loss_fn, micro_batch_size=2)
+        Trainer(model, opt, loss_fn, micro_batch_size=2, amp="fp8")
+    trainer = Trainer(model, opt, loss_fn, micro_batch_size=2)
     with pytest.raises(ValueError, match="steps=, epochs="):
         trainer.fit([], log=None)
     with pytest.raises(ValueError, match="the loader yielded no batches in epoch 0"):
@@ -139,14 +140,14 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 
 def test_checkpoint_of_another_model_names_the_keys_and_changes_nothing(tmp_path):
     model = accumnorm.convert(small_net())
-    accumnorm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
                       micro_batch_size=2).save(tmp_path / "ckpt.pt")
     torch.manual_seed(5)
     other = accumnorm.convert(nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
                                             nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(), nn.Linear(6 * 4 * 4, 32)))
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(ValueError) as error:
-        accumnorm.Trainer.load(tmp_path / "ckpt.pt", other, torch.optim.SGD(other.parameters(), lr=0.1), loss_fn)
+        Trainer.load(tmp_path / "ckpt.pt", other, torch.optim.SGD(other.parameters(), lr=0.1), loss_fn)
     message = str(error.value)
     assert "missing in checkpoint" not in message
     assert "not in model: 7.bias; 7.num_batches_tracked; 7.running_mean; 7.running_var; 7.weight; 9.bias; 9.weight" in message
@@ -157,7 +158,7 @@ def test_checkpoint_of_another_model_names_the_keys_and_changes_nothing(tmp_path
 def test_save_is_atomic(tmp_path, monkeypatch):
     """A save that dies half way leaves the previous checkpoint whole and no temporary file."""
     model = accumnorm.convert(small_net())
-    trainer = accumnorm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, micro_batch_size=2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, micro_batch_size=2)
     path = tmp_path / "ckpt.pt"
     trainer.save(path)
     good = path.read_bytes()
@@ -187,7 +188,7 @@ def study_net() -> nn.Module:
 
 def test_bf16_autocast_on_cpu_trains_the_study_net():
     model = accumnorm.convert(study_net())
-    trainer = accumnorm.Trainer(model, torch.optim.Adam(model.parameters(), 1e-3), loss_fn, micro_batch_size=4,
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-3), loss_fn, micro_batch_size=4,
                                 amp="bf16")
     g = torch.Generator().manual_seed(2)
     batch = (torch.randn(16, 1, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
@@ -228,10 +229,10 @@ def resume_program(mode: str, out: Path) -> None:
 
     kwargs = dict(scheduler=sched)
     if mode == "resumed":
-        trainer = accumnorm.Trainer.load(out / "checkpoint.pt", model, opt, maybe_killed, **kwargs)
+        trainer = Trainer.load(out / "checkpoint.pt", model, opt, maybe_killed, **kwargs)
         assert trainer.step_count == 10
     else:
-        trainer = accumnorm.Trainer(model, opt, maybe_killed, micro_batch_size=3, max_grad_norm=1.0, **kwargs)
+        trainer = Trainer(model, opt, maybe_killed, micro_batch_size=3, max_grad_norm=1.0, **kwargs)
     trainer.fit(loader, steps=RESUME_STEPS, eval_fn=eval_fn, eval_every=4, log=out, checkpoint_every=CHECKPOINT_EVERY)
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()},
                out / "final.pt")

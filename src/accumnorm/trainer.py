@@ -1,7 +1,7 @@
 """The training engine: exact gradient accumulation across micro-batches and ranks, mixed
 precision, logging and checkpoints that resume as if the run had never stopped.
 
-    trainer = accumnorm.Trainer(model, optimizer, loss_fn, micro_batch_size=8)
+    trainer = Trainer(model, optimizer, loss_fn, micro_batch_size=8)
     trainer.fit(loader, steps=1000, log="runs/exp1", checkpoint_every=100)
 
 Each ``step(batch)`` is one optimizer step over the whole batch: ``accumnorm.backward`` runs it as
@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed import ProcessGroup
 
-import accumnorm
 from . import distributed
+from .accumulation import backward
 
 try:
     from tqdm.auto import tqdm
@@ -89,8 +89,8 @@ class Trainer:
         batch = _to_device(batch, self.device)
         with self.autocast():
             # the gradient of the mean loss over the whole global batch, summed across ranks inside
-            loss = accumnorm.backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size,
-                                      bn=self.bn, process_group=self.process_group, grad_scaler=self.scaler)
+            loss = backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
+                            process_group=self.process_group, grad_scaler=self.scaler)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
         if self.max_grad_norm is not None:
