@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -72,16 +72,28 @@ def shard(batch: Any, group: ProcessGroup | None = None) -> Any:
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     rank, world_size = rank_and_size(group)
-    first = batch if torch.is_tensor(batch) else next(iter(batch.values() if isinstance(batch, dict) else batch))
-    if first.shape[0] < world_size:
-        raise ValueError(f"a global batch of {first.shape[0]} samples leaves rank {world_size - 1} of "
-                         f"world size {world_size} with no samples; use at least {world_size} per batch")
-    parts = lambda t: t.tensor_split(world_size)[rank]
-    if torch.is_tensor(batch):
-        return parts(batch)
+    n = num_samples(batch)
+    if n < world_size:
+        raise ValueError(f"a global batch of {n} samples leaves rank {world_size - 1} of world size "
+                         f"{world_size} with no samples; use at least {world_size} per batch")
+    return map_batch(lambda t: t.tensor_split(world_size)[rank], batch)
+
+
+def map_batch(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
+    """``fn`` applied to each tensor of a batch (a tensor, or a tuple/list/dict of tensors); anything
+    else is left as it is, for ``accumnorm.backward`` to refuse with a clear error."""
+    apply = lambda t: fn(t) if torch.is_tensor(t) else t
     if isinstance(batch, dict):
-        return {k: parts(v) for k, v in batch.items()}
-    return type(batch)(parts(t) for t in batch)
+        return {k: apply(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(apply(t) for t in batch)
+    return apply(batch)
+
+
+def num_samples(batch: Any) -> int:
+    """The length of dim 0 that a batch's tensors share."""
+    first = batch if torch.is_tensor(batch) else next(iter(batch.values() if isinstance(batch, dict) else batch))
+    return first.shape[0]
 
 
 class ShardedLoader:

@@ -86,7 +86,7 @@ class Trainer:
         """One optimizer step over ``batch`` (this rank's shard under a process group); returns the
         mean loss over the whole (global) batch."""
         self.model.zero_grad(set_to_none=True)
-        batch = _to_device(batch, self.device)
+        batch = distributed.map_batch(lambda t: t.to(self.device, non_blocking=True), batch)
         with self.autocast():
             # the gradient of the mean loss over the whole global batch, summed across ranks inside
             loss = backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
@@ -148,7 +148,7 @@ class Trainer:
                     loss = self.step(batch)
                     self.batch_in_epoch += 1
                     # loading and training time; every rank is assumed to hold as many samples as this one
-                    samples_per_s = _num_samples(batch) * self.world_size / (time.perf_counter() - tick)
+                    samples_per_s = distributed.num_samples(batch) * self.world_size / (time.perf_counter() - tick)
                     last = {"loss": loss, "lr": lr, "samples_per_s": samples_per_s}
                     if self.max_grad_norm is not None:
                         last["grad_norm"] = self.grad_norm
@@ -208,7 +208,7 @@ class Trainer:
 
     def _describe(self, batch: Any, loader: Iterable, **fit_args: Any) -> dict[str, Any]:
         """The run's configuration and derived sizes, printed at start and saved as config.json."""
-        per_rank = _num_samples(batch)
+        per_rank = distributed.num_samples(batch)
         accum = math.ceil(per_rank / self.micro_batch_size)
         config = {
             "micro_batch_size": self.micro_batch_size, "accumulation_steps": accum, "world_size": self.world_size,
@@ -348,22 +348,6 @@ class _MetricLog:
             self.file.close()
         if self.writer is not None:
             self.writer.close()
-
-
-def _num_samples(batch: Any) -> int:
-    if torch.is_tensor(batch):
-        return batch.shape[0]
-    return _num_samples(next(iter(batch.values() if isinstance(batch, dict) else batch)))
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
 
 
 def _get_rng() -> dict[str, Any]:
