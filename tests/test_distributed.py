@@ -57,6 +57,7 @@ def worker(scenario: str, out: Path) -> None:
             trainer = Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
             losses = [trainer.step(distributed.shard(b)) for b in batches(sizes)]
             torch.save({"losses": losses, "state": trainer.model.state_dict()}, out / f"{name}-{env.rank}.pt")
+        resume(env.rank, out)
         try:
             distributed.shard(torch.zeros(1, 3))
         except ValueError as e:
@@ -77,6 +78,25 @@ def worker(scenario: str, out: Path) -> None:
             trainer.step(distributed.shard(b))
         (out / f"finished-{env.rank}").touch()
     torch.distributed.destroy_process_group()
+
+
+def resume(rank: int, out: Path) -> None:
+    """2 steps, save, 2 more; against a fresh trainer loaded from the checkpoint, 2 more. Each rank
+    draws its own dropout masks, so each must get its own RNG state back."""
+    dropout_net = lambda: accumnorm.convert(nn.Sequential(net(), nn.Dropout(0.5)))
+    model = dropout_net()
+    trainer = Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
+    torch.manual_seed(100 + rank)
+    data = [distributed.shard(b) for b in batches([16] * 4)]
+    for b in data[:2]:
+        trainer.step(b)
+    trainer.save(out / "checkpoint.pt")
+    straight = [trainer.step(b) for b in data[2:]], model.state_dict()
+    model = dropout_net()
+    torch.manual_seed(7)  # whatever the RNG holds now, the checkpoint's comes back
+    trainer = Trainer.load(out / "checkpoint.pt", model, sgd(model), loss_fn)
+    resumed = [trainer.step(b) for b in data[2:]], model.state_dict()
+    torch.save({"straight": straight, "resumed": resumed}, out / f"resume-{rank}.pt")
 
 
 # ---------------------------------------------------------------- the tests
@@ -153,6 +173,14 @@ def test_two_ranks_of_micro_batches_equal_one_process_with_the_whole_batch(exact
                 assert relative_error(got["state"][key], want) < 1e-5, key
     for key, value in ranks[0]["state"].items():  # the ranks agree bit for bit
         assert torch.equal(value, ranks[1]["state"][key]), key
+
+
+def test_a_checkpoint_resumes_every_rank_with_its_own_rng(exact_run):
+    for rank in range(2):
+        got = torch.load(exact_run / f"resume-{rank}.pt")
+        (losses, state), (want_losses, want_state) = got["resumed"], got["straight"]
+        assert losses == want_losses
+        assert all(torch.equal(v, want_state[k]) for k, v in state.items())
 
 
 def test_a_batch_too_small_for_the_world_is_a_clear_error(exact_run):
