@@ -174,6 +174,37 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert path.read_bytes() == good and os.listdir(tmp_path) == ["ckpt.pt"]
 
 
+def test_a_step_with_inf_gradients_is_skipped_as_grad_scaler_does():
+    """The fp16 path's scaler handling, run on CPU with torch.amp.GradScaler("cpu") in place of the
+    CUDA one that amp="fp16" makes: an inf gradient skips the optimizer and the scheduler and halves
+    the scale; the next finite step goes through."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def sqrt_bias_loss(model, batch):  # d sqrt(b)/db is inf at b = 0, while the loss stays finite
+        return F.mse_loss(model(batch[0]), batch[1]) + model.bias.sqrt().sum()
+
+    trainer = Trainer(model, opt, sqrt_bias_loss, micro_batch_size=2, scheduler=sched, max_grad_norm=1.0)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batch = (torch.randn(4, 2), torch.randn(4, 1))
+    with torch.no_grad():
+        model.bias.zero_()
+    before = [p.clone() for p in model.parameters()]
+    trainer.step(batch)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert (trainer.scaler.get_scale(), sched.get_last_lr(), trainer.step_count) == (512.0, [0.1], 1)
+    with torch.no_grad():
+        model.bias.fill_(1.0)
+    model.zero_grad()
+    sqrt_bias_loss(model, batch).backward()
+    true_norm = nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    trainer.step(batch)
+    assert not torch.equal(model.weight, before[0])
+    assert (trainer.scaler.get_scale(), sched.get_last_lr(), trainer.step_count) == (512.0, [0.05], 2)
+    assert trainer.grad_norm == pytest.approx(true_norm, rel=1e-5)  # unscaled before clipping, not 512x
+
+
 # ---------------------------------------------------------------- bf16 autocast
 def study_net() -> nn.Module:
     """The study's SimpleModel with BatchNorm (../shared/bench/seed_loop.py)."""
