@@ -144,6 +144,7 @@ class Trainer:
                         config = self._describe(batch, loader, steps=steps, epochs=epochs, eval_every=eval_every,
                                                 checkpoint_every=checkpoint_every)
                         metrics.start(config)
+                        tick = time.perf_counter()  # opening the logs (TensorBoard's import) is not throughput
                     lr = self.optimizer.param_groups[0]["lr"]
                     loss = self.step(batch)
                     self.batch_in_epoch += 1
@@ -225,11 +226,10 @@ class Trainer:
             "torch": torch.__version__,
         }
         if self.rank == 0:
+            short = " (the last micro-batch is short)" if per_rank % self.micro_batch_size else ""
             tqdm.write(f"effective batch {config['effective_batch_size']} = micro-batch {self.micro_batch_size} x "
-                  f"{accum} accumulation steps x {self.world_size} ranks"
-                  + (" (the last micro-batch is short)" if per_rank % self.micro_batch_size else "")
-                  + f"; bn={self.bn}, amp={self.amp}, device {self.device}, "
-                  f"{config['parameters']:,} parameters, starting at step {self.step_count}")
+                       f"{accum} accumulation steps x {self.world_size} ranks{short}; bn={self.bn}, amp={self.amp}, "
+                       f"device {self.device}, {config['parameters']:,} parameters, starting at step {self.step_count}")
         return config
 
     # ------------------------------------------------------------------ checkpoints
