@@ -123,6 +123,26 @@ def test_fit_runs_epochs_logs_and_evaluates(tmp_path):
     assert any(tmp_path.glob("events.out.tfevents.*"))  # tensorboard is installed with the dev extra
 
 
+def test_fit_gives_a_distributed_sampler_each_epoch_number():
+    """DistributedSampler shuffles by epoch number: without set_epoch every epoch repeats the first."""
+    data = torch.utils.data.TensorDataset(torch.randn(12, 1, 8, 8), torch.arange(12) % 3, torch.arange(12))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    seen = []
+
+    def recording_loss(model, batch):
+        seen.extend(batch[2].tolist())
+        return loss_fn(model, batch[:2])
+
+    model = accumnorm.convert(small_net())
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), recording_loss, micro_batch_size=6)
+    trainer.fit(torch.utils.data.DataLoader(data, batch_size=6, sampler=sampler), epochs=2, log=None)
+    want = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        want += list(sampler)
+    assert seen == want and want[:12] != want[12:]
+
+
 def test_bad_arguments_are_clear_errors(tmp_path):
     model = accumnorm.convert(small_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

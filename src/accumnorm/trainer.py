@@ -54,7 +54,7 @@ class Trainer:
                  process_group: ProcessGroup | None = None):
         if isinstance(model, DistributedDataParallel):
             # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
-            process_group = process_group or model.process_group
+            process_group = model.process_group if process_group is None else process_group
             model = model.module
         if process_group is None and dist.is_initialized():
             process_group = dist.group.WORLD
