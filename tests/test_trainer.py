@@ -134,7 +134,9 @@ def test_fit_gives_a_distributed_sampler_each_epoch_number():
         return loss_fn(model, batch[:2])
 
     model = accumnorm.convert(small_net())
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), recording_loss, micro_batch_size=6)
+    # bn="micro" runs loss_fn once per micro-batch (exact runs it once per pass), so each batch is seen once
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), recording_loss, micro_batch_size=6,
+                      bn="micro")
     trainer.fit(torch.utils.data.DataLoader(data, batch_size=6, sampler=sampler), epochs=2, log=None)
     want = []
     for epoch in range(2):
