@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.parameter import is_lazy
 
 from .functional import GradSums, Moments, combine_moments, moments, normalize
 from .layers.batchnorm import _AccumBatchNorm
@@ -396,7 +397,7 @@ def backward(
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
     norms = [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
-    saved_stats = [{k: b.clone() for k, b in m._buffers.items() if b is not None} for m in norms]
+    saved_stats = [{k: b.clone() for k, b in m._buffers.items() if b is not None and not is_lazy(b)} for m in norms]
     for p in params:
         p.grad = None
     try:
