@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import accumnorm
 from accumnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
 from conftest import rel_err
 

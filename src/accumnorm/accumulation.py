@@ -20,9 +20,9 @@ and its backward sums, sum(dy) and sum(dy * x_hat), on every BN call above it. W
      of the micro-batch's own input. Each pass runs the forward up to call j and back-propagates that
      term from there (gradients are linear, so adding it later is exact), adding to the sums below.
 
-That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows (the forward needs L
-sequential reductions, the backward L more, and the parameters below the first BN call need its
-complete sums). A sums pass costs the part of the network above its call, a correction pass the
+That is 2L + 1 passes (plus one forward of the first micro-batch, which finds where the BN calls
+end), the fewest a micro-batch-at-a-time schedule allows: the forward needs L sequential
+reductions, the backward L more, and the parameters below the first BN call need its complete sums. A sums pass costs the part of the network above its call, a correction pass the
 part below, so the split `t` puts the bottom half under corrections. The cost relative to plain
 accumulation grows linearly with the number of BN calls (see benchmarks/bench_backward.py).
 
@@ -31,7 +31,6 @@ is transactional: on any error, `.grad` and running statistics are as they were 
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
