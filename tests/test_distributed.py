@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import accumnorm
-from accumnorm.trainer import Trainer
 from accumnorm import distributed
+from accumnorm.trainer import Trainer
+from conftest import ce_loss, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = 2  # micro-batch 2 x 4 accumulation x 2 ranks = one batch of 16
@@ -37,11 +37,6 @@ def batches(sizes):
     return [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in sizes]
 
 
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
 def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -54,7 +49,7 @@ def worker(scenario: str, out: Path) -> None:
             model = accumnorm.convert(net())
             if name == "ddp_wrapped":
                 model = nn.parallel.DistributedDataParallel(model)
-            trainer = Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
+            trainer = Trainer(model, sgd(model), ce_loss, micro_batch_size=MICRO)
             losses = [trainer.step(distributed.shard(b)) for b in batches(sizes)]
             torch.save({"losses": losses, "state": trainer.model.state_dict()}, out / f"{name}-{env.rank}.pt")
         resume(env.rank, out)
@@ -64,14 +59,14 @@ def worker(scenario: str, out: Path) -> None:
             (out / f"shard-error-{env.rank}.txt").write_text(str(e))
     elif scenario in ("raise", "stall"):
         model = accumnorm.convert(net())
-        trainer = Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
+        trainer = Trainer(model, sgd(model), ce_loss, micro_batch_size=MICRO)
 
         def failing_loss(model, batch):
             if env.rank == 1 and trainer.step_count == 2:
                 if scenario == "stall":  # alive, but never joins the step's collectives again
                     time.sleep(600)
                 raise RuntimeError("rank 1 fails at step 3")
-            return loss_fn(model, batch)
+            return ce_loss(model, batch)
 
         trainer.loss_fn = failing_loss
         for b in batches([16] * 5):
@@ -85,7 +80,7 @@ def resume(rank: int, out: Path) -> None:
     draws its own dropout masks, so each must get its own RNG state back."""
     dropout_net = lambda: accumnorm.convert(nn.Sequential(net(), nn.Dropout(0.5)))
     model = dropout_net()
-    trainer = Trainer(model, sgd(model), loss_fn, micro_batch_size=MICRO)
+    trainer = Trainer(model, sgd(model), ce_loss, micro_batch_size=MICRO)
     torch.manual_seed(100 + rank)
     data = [distributed.shard(b) for b in batches([16] * 4)]
     for b in data[:2]:
@@ -94,7 +89,7 @@ def resume(rank: int, out: Path) -> None:
     straight = [trainer.step(b) for b in data[2:]], model.state_dict()
     model = dropout_net()
     torch.manual_seed(7)  # whatever the RNG holds now, the checkpoint's comes back
-    trainer = Trainer.load(out / "checkpoint.pt", model, sgd(model), loss_fn)
+    trainer = Trainer.load(out / "checkpoint.pt", model, sgd(model), ce_loss)
     resumed = [trainer.step(b) for b in data[2:]], model.state_dict()
     torch.save({"straight": straight, "resumed": resumed}, out / f"resume-{rank}.pt")
 
@@ -138,10 +133,6 @@ def launch(scenario: str, out: Path, pg_timeout_s: float = 30, wait_s: float = 9
     return [(p.returncode, (out / f"rank{r}.log").read_text()) for r, p in enumerate(procs)]
 
 
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
 @pytest.fixture(scope="module")
 def exact_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("exact")
@@ -159,7 +150,7 @@ def test_two_ranks_of_micro_batches_equal_one_process_with_the_whole_batch(exact
     oracle_losses = []
     for b in batches(SCENARIOS[scenario]):
         opt.zero_grad()
-        loss = loss_fn(model, b)
+        loss = ce_loss(model, b)
         loss.backward()
         opt.step()
         oracle_losses.append(loss.item())
@@ -170,7 +161,7 @@ def test_two_ranks_of_micro_batches_equal_one_process_with_the_whole_batch(exact
             if key.endswith("num_batches_tracked"):
                 assert got["state"][key] == want, key
             else:
-                assert relative_error(got["state"][key], want) < 1e-5, key
+                assert rel_err(got["state"][key], want) < 1e-5, key
     for key, value in ranks[0]["state"].items():  # the ranks agree bit for bit
         assert torch.equal(value, ranks[1]["state"][key]), key
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 import accumnorm
 from accumnorm.trainer import Trainer
+from conftest import ce_loss, rel_err
+from models import vgg
 
 
 @pytest.fixture(autouse=True)
@@ -36,15 +38,6 @@ def small_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
                          nn.Flatten(), nn.Dropout(0.2), nn.Linear(6 * 4 * 4, 16), nn.BatchNorm1d(16), nn.ReLU(),
                          nn.Linear(16, 3))
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 def read_metrics(directory: Path) -> list[dict]:
@@ -88,7 +81,7 @@ def test_step_equals_whole_batch_pytorch_including_a_short_last_batch():
     oracle_losses = []
     for b in data:
         opt.zero_grad()
-        loss = loss_fn(oracle, b)
+        loss = ce_loss(oracle, b)
         loss.backward()
         nn.utils.clip_grad_norm_(oracle.parameters(), 0.5)
         opt.step()
@@ -97,18 +90,18 @@ def test_step_equals_whole_batch_pytorch_including_a_short_last_batch():
 
     model = accumnorm.convert(small_net())
     opt, sched = make(model)
-    trainer = Trainer(model, opt, loss_fn, micro_batch_size=4, scheduler=sched, max_grad_norm=0.5)
+    trainer = Trainer(model, opt, ce_loss, micro_batch_size=4, scheduler=sched, max_grad_norm=0.5)
     losses = [trainer.step(b) for b in data]
     assert losses == pytest.approx(oracle_losses, rel=1e-5)
     assert trainer.step_count == 3 and sched.get_last_lr() == [0.2 * 0.5 ** 3]
     for key, want in oracle.state_dict().items():
-        assert relative_error(model.state_dict()[key], want) < 1e-5, key
+        assert rel_err(model.state_dict()[key], want) < 1e-5, key
 
 
 # ---------------------------------------------------------------- fit, logs, errors
 def test_fit_runs_epochs_logs_and_evaluates(tmp_path):
     model = accumnorm.convert(small_net())
-    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-2), loss_fn, micro_batch_size=3)
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-2), ce_loss, micro_batch_size=3)
     loader = torch.utils.data.DataLoader(NoisyDigits(20), batch_size=8)  # 8, 8, 4 per epoch
     evals = []
     final = trainer.fit(loader, epochs=2, eval_fn=lambda m: evals.append(m.training) or 0.5, eval_every=4,
@@ -131,7 +124,7 @@ def test_fit_gives_a_distributed_sampler_each_epoch_number():
 
     def recording_loss(model, batch):
         seen.extend(batch[2].tolist())
-        return loss_fn(model, batch[:2])
+        return ce_loss(model, batch[:2])
 
     model = accumnorm.convert(small_net())
     # bn="micro" runs loss_fn once per micro-batch (exact runs it once per pass), so each batch is seen once
@@ -149,10 +142,10 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     model = accumnorm.convert(small_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="amp='fp16' needs the model on a CUDA device.*on cpu"):
-        Trainer(model, opt, loss_fn, micro_batch_size=2, amp="fp16")
+        Trainer(model, opt, ce_loss, micro_batch_size=2, amp="fp16")
     with pytest.raises(ValueError, match="amp must be None, 'bf16' or 'fp16', got 'fp8'"):
-        Trainer(model, opt, loss_fn, micro_batch_size=2, amp="fp8")
-    trainer = Trainer(model, opt, loss_fn, micro_batch_size=2)
+        Trainer(model, opt, ce_loss, micro_batch_size=2, amp="fp8")
+    trainer = Trainer(model, opt, ce_loss, micro_batch_size=2)
     with pytest.raises(ValueError, match="steps=, epochs="):
         trainer.fit([], log=None)
     with pytest.raises(ValueError, match="the loader yielded no batches in epoch 0"):
@@ -162,14 +155,14 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 
 def test_checkpoint_of_another_model_names_the_keys_and_changes_nothing(tmp_path):
     model = accumnorm.convert(small_net())
-    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss,
                       micro_batch_size=2).save(tmp_path / "ckpt.pt")
     torch.manual_seed(5)
     other = accumnorm.convert(nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
                                             nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(), nn.Linear(6 * 4 * 4, 32)))
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(ValueError) as error:
-        Trainer.load(tmp_path / "ckpt.pt", other, torch.optim.SGD(other.parameters(), lr=0.1), loss_fn)
+        Trainer.load(tmp_path / "ckpt.pt", other, torch.optim.SGD(other.parameters(), lr=0.1), ce_loss)
     message = str(error.value)
     assert "missing in checkpoint" not in message
     assert "not in model: 7.bias; 7.num_batches_tracked; 7.running_mean; 7.running_var; 7.weight; 9.bias; 9.weight" in message
@@ -180,7 +173,7 @@ def test_checkpoint_of_another_model_names_the_keys_and_changes_nothing(tmp_path
 def test_save_is_atomic(tmp_path, monkeypatch):
     """A save that dies half way leaves the previous checkpoint whole and no temporary file."""
     model = accumnorm.convert(small_net())
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, micro_batch_size=2)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=2)
     path = tmp_path / "ckpt.pt"
     trainer.save(path)
     good = path.read_bytes()
@@ -228,20 +221,9 @@ def test_a_step_with_inf_gradients_is_skipped_as_grad_scaler_does():
 
 
 # ---------------------------------------------------------------- bf16 autocast
-def study_net() -> nn.Module:
-    """The study's SimpleModel with BatchNorm (../shared/bench/seed_loop.py)."""
-    torch.manual_seed(0)
-    layers, prev = [], 1
-    for i, c in enumerate((32, 64, 128, 256)):
-        layers += [nn.Conv2d(prev, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()]
-        layers += [nn.MaxPool2d(2)] if i < 3 else []
-        prev = c
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(prev, 10))
-
-
 def test_bf16_autocast_on_cpu_trains_the_study_net():
-    model = accumnorm.convert(study_net())
-    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-3), loss_fn, micro_batch_size=4,
+    model = accumnorm.convert(vgg(widths=(32, 64, 128, 256)))  # the study's net at full width
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-3), ce_loss, micro_batch_size=4,
                                 amp="bf16")
     g = torch.Generator().manual_seed(2)
     batch = (torch.randn(16, 1, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
@@ -275,7 +257,7 @@ def resume_program(mode: str, out: Path) -> None:
     def maybe_killed(model, batch):
         if mode == "killed" and trainer.step_count == KILL_IN_STEP - 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        return loss_fn(model, batch)
+        return ce_loss(model, batch)
 
     def eval_fn(model):  # draws from the RNG too, as a validation sampler might
         return torch.rand(()).item()
