@@ -148,6 +148,8 @@ def test_bad_arguments_are_clear_errors(tmp_path):
     trainer = Trainer(model, opt, ce_loss, micro_batch_size=2)
     with pytest.raises(ValueError, match="steps=, epochs="):
         trainer.fit([], log=None)
+    with pytest.raises(ValueError, match="checkpoint_every needs a log directory"):
+        trainer.fit([], steps=3, log=None, checkpoint_every=1)
     with pytest.raises(ValueError, match="the loader yielded no batches in epoch 0"):
         trainer.fit([], steps=3, log=tmp_path)
     assert trainer.step_count == 0

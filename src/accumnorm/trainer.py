@@ -42,8 +42,9 @@ class Trainer:
     """One exact optimizer step per batch, however it is split into micro-batches and ranks.
 
     ``loss_fn(model, micro_batch)`` returns the mean loss over a micro-batch. ``amp`` is None,
-    "bf16" (CPU and CUDA autocast) or "fp16" (CUDA autocast with a GradScaler). ``max_grad_norm``
-    clips the total gradient norm. ``process_group`` defaults to the model's own when it is wrapped in
+    "bf16" (CPU and CUDA autocast) or "fp16" (CUDA autocast with a GradScaler, whose scale holds for
+    all micro-batches of a step; a step with inf/nan gradients is skipped, the scheduler's too).
+    ``max_grad_norm`` clips the total norm of the unscaled gradient. ``process_group`` defaults to the model's own when it is wrapped in
     DistributedDataParallel, else to the default group when torch.distributed is initialized.
     """
 
