@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
-from accumnorm.trainer import Trainer
+from accumnorm import Trainer
 from accumnorm import distributed
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

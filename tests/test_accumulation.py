@@ -274,6 +274,31 @@ def test_non_finite_loss_changes_nothing(primed, bn):
     assert_unchanged(model, snap)
 
 
+def test_under_a_grad_scaler_an_overflow_is_left_to_the_scaler():
+    """fp16 overflows now and then: the scaler, not backward, skips that step and lowers the scale."""
+    model = accumnorm.convert(mlp())
+    x, y = data((64,), 8)
+    loss_fn = lambda m, b: ce_loss(m, b) * float("inf")  # noqa: E731
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    loss = accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=4, grad_scaler=scaler)
+    assert not torch.isfinite(loss)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and scaler.get_scale() == 2.0**7
+
+
+def test_grad_scaler_scales_the_gradient():
+    ref, ours = oracle_and_ours(mlp().double())
+    batch = data((64,), 8, torch.float64)
+    whole_batch(ref, batch)
+    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, grad_scaler=torch.amp.GradScaler("cpu", init_scale=4.0))
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        q.grad /= 4.0
+    compare(ref, ours, 1e-9)
+
+
 @pytest.mark.parametrize("bn", ["exact", "micro"])
 def test_failure_part_way_changes_nothing(primed, bn):
     model, batch, snap = primed

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 import accumnorm
 from accumnorm import distributed
-from accumnorm.trainer import Trainer
+from accumnorm import Trainer
 from conftest import ce_loss, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
-from accumnorm.trainer import Trainer
+from accumnorm import Trainer
 from conftest import ce_loss, rel_err
 from models import vgg
 

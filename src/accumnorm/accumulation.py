@@ -404,7 +404,9 @@ def backward(
         calls = step.exact(layers) if exact else step.plain()
         losses = torch.stack(step.losses)
         finite = torch.isfinite(losses)
-        if not bool(finite.all()):
+        # Under a GradScaler an overflow is expected now and then: its inf/nan gradients make the
+        # scaler skip the step and lower the scale, so only an unscaled run treats it as an error.
+        if grad_scaler is None and not bool(finite.all()):
             k = int((~finite).nonzero()[0])
             raise ValueError(f"loss is not finite ({losses[k].item()}) for micro-batch {k}; nothing was changed")
         loss = group.sum_(losses @ torch.tensor(step.weights, dtype=losses.dtype, device=losses.device))
