@@ -202,6 +202,50 @@ def test_lazy_model_materializes_and_matches():
     compare(ref, lazy, 1e-9)
 
 
+class _SavedBytes:
+    """Peak bytes of tensors held for backward (activation memory), via saved-tensor hooks."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        owner = self
+
+        class Held:
+            def __init__(self, t):
+                self.t, self.n = t, t.numel() * t.element_size()
+                owner.live += self.n
+                owner.peak = max(owner.peak, owner.live)
+
+            def __del__(self):
+                owner.live -= self.n
+
+        return Held(t)
+
+    def unpack(self, held):
+        return held.t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+def test_exact_mode_holds_the_activations_of_one_micro_batch():
+    model = accumnorm.convert(vgg(widths=(32, 64, 128, 256)))
+    batch = data((1, 28, 28), 16)
+    peaks = {}
+    for bn, micro in [("micro", 2), ("exact", 2), ("micro", 16)]:
+        with _SavedBytes() as saved:
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=micro, bn=bn)
+        peaks[bn, micro] = saved.peak
+    assert peaks["exact", 2] <= 1.1 * peaks["micro", 2]
+    assert peaks["exact", 2] < peaks["micro", 16] / 3  # weights are saved too, so not the full 8x
+
+
 # --- bad input: a clear error, and nothing changed ---------------------------------------------------
 
 def snapshot(model):
