@@ -5,6 +5,7 @@
     loss = accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=4)   # exact whole-batch gradient
     optimizer.step()
 """
+from . import distributed
 from .accumulation import backward
 from .layers import (
     NORM_NAMES,
@@ -21,11 +22,12 @@ from .layers import (
     norm,
     revert,
 )
+from .trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "backward",
+    "backward", "Trainer", "distributed",
     "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
     "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm",
     "norm", "NORM_NAMES", "convert", "revert",

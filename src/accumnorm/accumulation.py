@@ -20,9 +20,9 @@ and its backward sums, sum(dy) and sum(dy * x_hat), on every BN call above it. W
      of the micro-batch's own input. Each pass runs the forward up to call j and back-propagates that
      term from there (gradients are linear, so adding it later is exact), adding to the sums below.
 
-That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows (the forward needs L
-sequential reductions, the backward L more, and the parameters below the first BN call need its
-complete sums). A sums pass costs the part of the network above its call, a correction pass the
+That is 2L + 1 passes (plus one forward of the first micro-batch, which finds where the BN calls
+end), the fewest a micro-batch-at-a-time schedule allows: the forward needs L sequential
+reductions, the backward L more, and the parameters below the first BN call need its complete sums. A sums pass costs the part of the network above its call, a correction pass the
 part below, so the split `t` puts the bottom half under corrections. The cost relative to plain
 accumulation grows linearly with the number of BN calls (see benchmarks/bench_backward.py).
 
@@ -31,7 +31,6 @@ is transactional: on any error, `.grad` and running statistics are as they were 
 """
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
@@ -41,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+from torch.nn.parameter import is_lazy
 
 from .functional import GradSums, Moments, combine_moments, moments, normalize
 from .layers.batchnorm import _AccumBatchNorm
@@ -396,7 +396,7 @@ def backward(
     params = [p for p in model.parameters() if p.requires_grad]
     saved_grads = [p.grad for p in params]
     norms = [m for m in model.modules() if isinstance(m, _NormBase) and m.track_running_stats]
-    saved_stats = [{k: b.clone() for k, b in m._buffers.items() if b is not None} for m in norms]
+    saved_stats = [{k: b.clone() for k, b in m._buffers.items() if b is not None and not is_lazy(b)} for m in norms]
     for p in params:
         p.grad = None
     try:
@@ -404,7 +404,9 @@ def backward(
         calls = step.exact(layers) if exact else step.plain()
         losses = torch.stack(step.losses)
         finite = torch.isfinite(losses)
-        if not bool(finite.all()):
+        # Under a GradScaler an overflow is expected now and then: its inf/nan gradients make the
+        # scaler skip the step and lower the scale, so only an unscaled run treats it as an error.
+        if grad_scaler is None and not bool(finite.all()):
             k = int((~finite).nonzero()[0])
             raise ValueError(f"loss is not finite ({losses[k].item()}) for micro-batch {k}; nothing was changed")
         loss = group.sum_(losses @ torch.tensor(step.weights, dtype=losses.dtype, device=losses.device))

@@ -11,48 +11,20 @@ normalizes with, and back-propagates through, the statistics of the whole batch
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .lazy import LazyNormMixin, check_num_features
+from .lazy import LazyNormBase
 
 __all__ = ["BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
 
 
-class _AccumBatchNorm(LazyNormMixin, _BatchNorm):
+class _AccumBatchNorm(LazyNormBase, _BatchNorm):
     """Shared body of accumnorm's BatchNorm layers (torch's `_BatchNorm` plus laziness and the plan hook)."""
 
-    def __init__(
-        self,
-        num_features: int | None = None,
-        eps: float = 1e-5,
-        momentum: float | None = 0.1,
-        affine: bool = True,
-        track_running_stats: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        num_features = check_num_features(num_features)
-        lazy = num_features is None
-        factory_kwargs = {"device": device, "dtype": dtype}
-        # A lazy layer is built without tensors, which are then declared uninitialized (as torch's _LazyNormBase).
-        super().__init__(
-            0 if lazy else num_features, eps, momentum, affine and not lazy, track_running_stats and not lazy,
-            **factory_kwargs,
-        )
-        self.affine, self.track_running_stats = affine, track_running_stats
-        self._init_lazy(
-            lazy,
-            params=("weight", "bias") if lazy and affine else (),
-            buffers=("running_mean", "running_var") if lazy and track_running_stats else (),
-            factory_kwargs=factory_kwargs,
-        )
-        if lazy and track_running_stats:
-            self.num_batches_tracked = torch.tensor(0, dtype=torch.long, device=device)
-        # Set by accumnorm.backward(bn="exact") for the duration of one call, None otherwise.
-        self._accum_plan = None
+    # Set on the instance by accumnorm.backward(bn="exact") for the duration of one call.
+    _accum_plan = None
 
     def uses_batch_stats(self) -> bool:
         """True where torch's BatchNorm normalizes with batch statistics (training, or no running stats)."""

@@ -80,3 +80,35 @@ class LazyNormMixin(LazyModuleMixin):
             raise ValueError(
                 f"{self._get_name()} expected {c} channels at dim {dim}, got input of shape {tuple(input.shape)}"
             )
+
+
+class LazyNormBase(LazyNormMixin):
+    """Constructor of the lazy `_NormBase` layers (BatchNorm, InstanceNorm): channels first, None = lazy."""
+
+    def __init__(
+        self,
+        num_features: int | None = None,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        num_features = check_num_features(num_features)
+        lazy = num_features is None
+        factory_kwargs = {"device": device, "dtype": dtype}
+        # A lazy layer is built without tensors, which are then declared uninitialized (as torch's _LazyNormBase).
+        super().__init__(  # type: ignore[call-arg]
+            0 if lazy else num_features, eps, momentum, affine and not lazy, track_running_stats and not lazy,
+            **factory_kwargs,
+        )
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self._init_lazy(
+            lazy,
+            params=("weight", "bias") if lazy and affine else (),
+            buffers=("running_mean", "running_var") if lazy and track_running_stats else (),
+            factory_kwargs=factory_kwargs,
+        )
+        if lazy and track_running_stats:
+            self.num_batches_tracked = torch.tensor(0, dtype=torch.long, device=device)

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .lazy import LazyNormMixin, check_num_features
+from .lazy import LazyNormBase, LazyNormMixin, check_num_features
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm"]
 
@@ -59,7 +59,7 @@ class GroupNorm(LazyNormMixin, nn.GroupNorm):
         return f"{self.num_channels}, num_groups={self.num_groups}, eps={self.eps}, affine={self.affine}"
 
 
-class _LazyInstanceNorm(LazyNormMixin):
+class _LazyInstanceNorm(LazyNormBase):
     """torch's InstanceNorm, lazy when num_features is None (torch checks channels itself)."""
 
     def __init__(
@@ -72,22 +72,7 @@ class _LazyInstanceNorm(LazyNormMixin):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        num_features = check_num_features(num_features)
-        lazy = num_features is None
-        factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__(
-            0 if lazy else num_features, eps, momentum, affine and not lazy, track_running_stats and not lazy,
-            **factory_kwargs,
-        )
-        self.affine, self.track_running_stats = affine, track_running_stats
-        self._init_lazy(
-            lazy,
-            params=("weight", "bias") if lazy and affine else (),
-            buffers=("running_mean", "running_var") if lazy and track_running_stats else (),
-            factory_kwargs=factory_kwargs,
-        )
-        if lazy and track_running_stats:
-            self.num_batches_tracked = torch.tensor(0, dtype=torch.long, device=device)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
 
     def _feature_dim(self, input: Tensor) -> int:
         return input.dim() - self._get_no_batch_dim()  # unbatched inputs have no dim 0

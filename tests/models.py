@@ -1,0 +1,112 @@
+"""Small models for the oracle tests, built with torch's norms (the oracle) and converted for accumnorm."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+Act = Callable[[], nn.Module]
+
+
+def vgg(act: Act = nn.ReLU, widths=(8, 16, 16, 32), norm=nn.BatchNorm2d) -> nn.Module:
+    """The study's VGG-like net, narrower: conv 3x3 + norm + act, max-pool between, avg-pool, linear."""
+    layers, c0 = [], 1
+    for i, c in enumerate(widths):
+        layers += [nn.Conv2d(c0, c, 3, padding=1), norm(c), act()]
+        if i < len(widths) - 1:
+            layers.append(nn.MaxPool2d(2))
+        c0 = c
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c0, 10))
+
+
+class Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, act: Act) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout)
+        self.conv2, self.bn2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout)
+        self.act = act()
+        self.down = None
+        if stride != 1 or cin != cout:  # a BatchNorm on the skip path too
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        out = self.act(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.act(out + (x if self.down is None else self.down(x)))
+
+
+def resnet(act: Act = nn.ReLU) -> nn.Module:
+    """A residual net: skip connections, BatchNorm on the downsample path."""
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), act(),
+        Block(8, 8, 1, act), Block(8, 16, 2, act),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+def mlp(act: Act = nn.Tanh) -> nn.Module:
+    """MLP with BatchNorm1d on 2D inputs (N, C)."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), act(),
+        nn.Linear(32, 16), nn.BatchNorm1d(16), act(), nn.Linear(16, 10),
+    )
+
+
+class SeqNet(nn.Module):
+    """BatchNorm1d on 3D inputs (N, C, L): a small 1D conv net over sequences."""
+
+    def __init__(self, act: Act = nn.GELU) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8), act(),
+            nn.Conv1d(8, 8, 3, padding=1), nn.BatchNorm1d(8, affine=False), act(),
+        )
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean(-1))
+
+
+def conv3d(act: Act = nn.Tanh) -> nn.Module:
+    """Conv3d net with BatchNorm3d."""
+    return nn.Sequential(
+        nn.Conv3d(1, 4, 3, padding=1), nn.BatchNorm3d(4), act(), nn.MaxPool3d(2),
+        nn.Conv3d(4, 8, 3, padding=1), nn.BatchNorm3d(8, momentum=None), act(),
+        nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(8, 10),
+    )
+
+
+def mixed(act: Act = nn.Tanh) -> nn.Module:
+    """BatchNorm mixed with GroupNorm, InstanceNorm, LayerNorm (channels first) and no norm."""
+    import accumnorm
+
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), act(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), act(),
+        nn.Conv2d(8, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True), act(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 16, 3, padding=1), accumnorm.LayerNorm(16), act(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), act(),
+        nn.Conv2d(16, 16, 3, padding=1), act(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+def no_bn() -> nn.Module:
+    """Per-sample norms only: plain accumulation is already exact."""
+    return vgg(nn.Tanh, norm=lambda c: nn.GroupNorm(4, c))
+
+
+# name -> (builder, input shape of one sample)
+MODELS = {
+    "vgg": (vgg, (1, 16, 16)),
+    "resnet": (resnet, (1, 12, 12)),
+    "mlp": (mlp, (64,)),
+    "seq": (SeqNet, (4, 10)),
+    "conv3d": (conv3d, (1, 6, 6, 6)),
+    "mixed": (mixed, (1, 12, 12)),
+}
+
+
+def data(shape, n: int, dtype=torch.float32):
+    return torch.randn(n, *shape, dtype=dtype), torch.randint(0, 10, (n,))

@@ -1,0 +1,386 @@
+"""accumnorm.backward against the oracle, whole-batch PyTorch: one forward/backward over the whole batch."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import accumnorm
+from conftest import ce_loss, compare, oracle_and_ours, rel_err
+from models import MODELS, SeqNet, conv3d, data, mixed, mlp, no_bn, resnet, vgg
+
+SMOOTH = {"vgg": lambda: vgg(nn.Tanh), "resnet": lambda: resnet(nn.Tanh), "mlp": mlp, "seq": SeqNet,
+          "conv3d": conv3d, "mixed": mixed}
+
+
+def whole_batch(ref: nn.Module, batch) -> torch.Tensor:
+    loss = ce_loss(ref, batch)
+    loss.backward()
+    return loss.detach()
+
+
+def run_both(build, shape, n, micro, dtype, bn="exact"):
+    ref, ours = oracle_and_ours(build().to(dtype))
+    batch = data(shape, n, dtype)
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=micro, bn=bn)
+    return ref, ours, expected, loss
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("n,micro", [(12, 4), (11, 3), (7, 1)])
+def test_exact_matches_whole_batch_float64_smooth(name, n, micro):
+    ref, ours, expected, loss = run_both(SMOOTH[name], MODELS[name][1], n, micro, torch.float64)
+    errs = compare(ref, ours, 1e-9)
+    assert rel_err(loss, expected) < 1e-12, errs
+
+
+@pytest.mark.parametrize("name", ["vgg", "resnet"])
+def test_exact_matches_whole_batch_float64_relu_maxpool(name):
+    build, shape = MODELS[name]
+    ref, ours, expected, loss = run_both(build, shape, 10, 3, torch.float64)
+    compare(ref, ours, 1e-6)
+    assert rel_err(loss, expected) < 1e-12
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_exact_matches_whole_batch_float32(name):
+    build, shape = MODELS[name]
+    ref, ours, expected, loss = run_both(build, shape, 13, 4, torch.float32)
+    compare(ref, ours, 1e-3)
+    assert rel_err(loss, expected) < 1e-5
+
+
+def test_study_net_at_micro_batch_one_matches_batch_16():
+    """The study's setting: micro-batch 1 x 16, ReLU and max-pool, float32."""
+    ref, ours, expected, loss = run_both(lambda: vgg(widths=(32, 64, 128, 256)), (1, 28, 28), 16, 1, torch.float32)
+    compare(ref, ours, 1e-3)
+    assert rel_err(loss, expected) < 1e-5
+
+
+def test_micro_mode_is_plain_accumulation():
+    """bn='micro' is what the study measured: per-micro-batch statistics, running stats updated K times."""
+    ref, ours = oracle_and_ours(mlp().double())
+    x, y = data((64,), 12, torch.float64)
+    for xb, yb in zip(x.split(4), y.split(4)):
+        (ce_loss(ref, (xb, yb)) / 3).backward()
+    accumnorm.backward(ours, (x, y), ce_loss, micro_batch_size=4, bn="micro")
+    compare(ref, ours, 1e-12)
+    assert int(ours[2].num_batches_tracked) == 3
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_without_batchnorm_any_mode_matches(bn):
+    ref, ours, expected, loss = run_both(no_bn, (1, 16, 16), 11, 4, torch.float64, bn=bn)
+    compare(ref, ours, 1e-10)
+    assert rel_err(loss, expected) < 1e-12
+
+
+def test_exact_differs_from_micro_where_it_should():
+    """Sanity of the oracle tests: per-micro-batch BatchNorm is far from whole-batch BatchNorm."""
+    ref, ours, _, _ = run_both(lambda: vgg(nn.Tanh), (1, 16, 16), 12, 2, torch.float64, bn="micro")
+    with pytest.raises(AssertionError):
+        compare(ref, ours, 1e-3)
+
+
+def test_invariant_to_micro_batch_size():
+    model = accumnorm.convert(resnet(nn.Tanh).double())
+    batch = data((1, 12, 12), 12, torch.float64)
+    results = []
+    for micro in (1, 2, 5, 12):
+        m = copy.deepcopy(model)
+        loss = accumnorm.backward(m, batch, ce_loss, micro_batch_size=micro)
+        results.append((loss, [p.grad for p in m.parameters()], [b.clone() for b in m.buffers()]))
+    for loss, grads, bufs in results[1:]:
+        assert rel_err(loss, results[0][0]) < 1e-12
+        assert all(rel_err(g, g0, 1e-8) < 1e-9 for g, g0 in zip(grads, results[0][1]))
+        assert all(rel_err(b, b0, 1e-8) < 1e-12 for b, b0 in zip(bufs, results[0][2]))
+
+
+def test_batch_as_dict_and_gradients_add_to_existing_grad():
+    ref, ours = oracle_and_ours(mlp().double())
+    x, y = data((64,), 9, torch.float64)
+    for m in (ref, ours):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+    whole_batch(ref, (x, y))
+    loss_fn = lambda model, b: F.cross_entropy(model(b["x"]), b["y"])  # noqa: E731
+    accumnorm.backward(ours, {"x": x, "y": y}, loss_fn, micro_batch_size=4)
+    compare(ref, ours, 1e-9)
+
+
+def test_eval_mode_is_a_single_pass_with_running_stats():
+    ref, ours = oracle_and_ours(vgg(nn.Tanh).double())
+    ref.eval(), ours.eval()
+    batch = data((1, 16, 16), 6, torch.float64)
+    expected = whole_batch(ref, batch)
+    calls = []
+    loss_fn = lambda m, b: calls.append(1) or ce_loss(m, b)  # noqa: E731
+    loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2)
+    assert len(calls) == 3  # one pass: eval BatchNorm couples no samples
+    compare(ref, ours, 1e-10)
+    assert rel_err(loss, expected) < 1e-12
+
+
+class Shared(nn.Module):
+    """One BatchNorm layer called twice in a forward, on different tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = torch.tanh(self.bn(self.conv1(x)))
+        x = torch.tanh(self.bn(self.conv2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+def test_layer_called_twice_per_forward_matches_whole_batch():
+    ref, ours, expected, loss = run_both(Shared, (1, 8, 8), 10, 3, torch.float64)
+    compare(ref, ours, 1e-9)
+    assert int(ours.bn.num_batches_tracked) == 2  # once per call, as torch does
+
+
+class DropNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 10))
+        self.masks = []
+
+    def forward(self, x):
+        h = self.net[0](x)
+        d = self.net[1](h)
+        self.masks.append((d != 0).clone())
+        return self.net[4](self.net[3](self.net[2](d)))
+
+
+def test_dropout_draws_the_same_masks_in_every_pass_and_is_seeded():
+    model = accumnorm.convert(DropNet())
+    batch = data((16,), 8, torch.float32)
+    torch.manual_seed(3)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=4)
+    grads = [p.grad.clone() for p in model.parameters()]
+    # Every pass records one mask per micro-batch it reaches; there must be one distinct mask per
+    # micro-batch (2), each seen in several passes.
+    distinct = []
+    for m in model.masks:
+        if not any(torch.equal(m, d) for d in distinct):
+            distinct.append(m)
+    assert len(distinct) == 2 and len(model.masks) >= 6
+    model.masks = []
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=4)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_bf16_autocast_keeps_statistics_in_float32():
+    model = accumnorm.convert(vgg())
+    batch = data((1, 16, 16), 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)
+    assert torch.isfinite(loss)
+    for m in model.modules():
+        if isinstance(m, accumnorm.BatchNorm2d):
+            assert m.running_mean.dtype == torch.float32 and torch.isfinite(m.running_var).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_lazy_model_materializes_and_matches():
+    torch.manual_seed(1)
+    lazy = vgg(nn.Tanh, norm=lambda c: accumnorm.norm("bn")).double()
+    batch = data((1, 16, 16), 9, torch.float64)
+    accumnorm.backward(lazy, batch, ce_loss, micro_batch_size=4)
+    torch.manual_seed(1)
+    ref = vgg(nn.Tanh).double()
+    whole_batch(ref, batch)
+    compare(ref, lazy, 1e-9)
+
+
+class _SavedBytes:
+    """Peak bytes of tensors held for backward (activation memory), via saved-tensor hooks."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        owner = self
+
+        class Held:
+            def __init__(self, t):
+                self.t, self.n = t, t.numel() * t.element_size()
+                owner.live += self.n
+                owner.peak = max(owner.peak, owner.live)
+
+            def __del__(self):
+                owner.live -= self.n
+
+        return Held(t)
+
+    def unpack(self, held):
+        return held.t
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+def test_exact_mode_holds_the_activations_of_one_micro_batch():
+    model = accumnorm.convert(vgg(widths=(32, 64, 128, 256)))
+    batch = data((1, 28, 28), 16)
+    peaks = {}
+    for bn, micro in [("micro", 2), ("exact", 2), ("micro", 16)]:
+        with _SavedBytes() as saved:
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=micro, bn=bn)
+        peaks[bn, micro] = saved.peak
+    assert peaks["exact", 2] <= 1.1 * peaks["micro", 2]
+    assert peaks["exact", 2] < peaks["micro", 16] / 3  # weights are saved too, so not the full 8x
+
+
+# --- bad input: a clear error, and nothing changed ---------------------------------------------------
+
+def snapshot(model):
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()], \
+        [b.clone() for b in model.buffers()]
+
+
+def assert_unchanged(model, snap):
+    grads, bufs = snap
+    for p, g in zip(model.parameters(), grads):
+        assert (p.grad is None and g is None) or torch.equal(p.grad, g)
+    for b, b0 in zip(model.buffers(), bufs):
+        assert torch.equal(b, b0)
+
+
+@pytest.fixture
+def primed():
+    """A model with existing gradients and running statistics, to check that errors leave them alone."""
+    model = accumnorm.convert(vgg(nn.Tanh))
+    batch = data((1, 16, 16), 8)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=4)
+    return model, batch, snapshot(model)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"micro_batch_size": 0}, ValueError, "micro_batch_size must be >= 1, got 0"),
+    ({"micro_batch_size": 2.0}, TypeError, "micro_batch_size must be an int, got float"),
+    ({"micro_batch_size": True}, TypeError, "micro_batch_size must be an int, got bool"),
+    ({"micro_batch_size": 2, "bn": "sync"}, ValueError, r"bn must be one of \('exact', 'micro'\), got 'sync'"),
+])
+def test_bad_arguments(primed, kwargs, exc, match):
+    model, batch, snap = primed
+    with pytest.raises(exc, match=match):
+        accumnorm.backward(model, batch, ce_loss, **kwargs)
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("batch,exc,match", [
+    (torch.zeros(0, 1, 16, 16), ValueError, "dimension 0 has length 0"),
+    ((), ValueError, "batch is empty"),
+    ((torch.zeros(4, 1, 16, 16), torch.zeros(3, dtype=torch.long)), ValueError, r"share dimension 0, got lengths"),
+    ((torch.zeros(4, 1, 16, 16), [1, 2, 3, 4]), TypeError, r"batch\[1\] must be a Tensor, got list"),
+    ("images", TypeError, "batch must be a Tensor or a tuple/list/dict of Tensors, got str"),
+    (torch.tensor(3.0), ValueError, "0-dim tensor"),
+])
+def test_bad_batches(primed, batch, exc, match):
+    model, _, snap = primed
+    with pytest.raises(exc, match=match):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_non_scalar_loss(primed, bn):
+    model, batch, snap = primed
+    loss_fn = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")  # noqa: E731
+    with pytest.raises(ValueError, match=r"scalar \(0-dim\) Tensor, got shape \(2,\) for micro-batch 0"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn)
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_non_finite_loss_changes_nothing(primed, bn):
+    model, batch, snap = primed
+    def loss_fn(m, b):
+        loss = ce_loss(m, b)
+        return loss * float("nan") if b[0][0, 0, 0, 0] == batch[0][6, 0, 0, 0] else loss
+    with pytest.raises(ValueError, match="loss is not finite .* for micro-batch 3"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn)
+    assert_unchanged(model, snap)
+
+
+def test_under_a_grad_scaler_an_overflow_is_left_to_the_scaler():
+    """fp16 overflows now and then: the scaler, not backward, skips that step and lowers the scale."""
+    model = accumnorm.convert(mlp())
+    x, y = data((64,), 8)
+    loss_fn = lambda m, b: ce_loss(m, b) * float("inf")  # noqa: E731
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    loss = accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=4, grad_scaler=scaler)
+    assert not torch.isfinite(loss)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and scaler.get_scale() == 2.0**7
+
+
+def test_grad_scaler_scales_the_gradient():
+    ref, ours = oracle_and_ours(mlp().double())
+    batch = data((64,), 8, torch.float64)
+    whole_batch(ref, batch)
+    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, grad_scaler=torch.amp.GradScaler("cpu", init_scale=4.0))
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        q.grad /= 4.0
+    compare(ref, ours, 1e-9)
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_failure_part_way_changes_nothing(primed, bn):
+    model, batch, snap = primed
+    seen = []
+    def loss_fn(m, b):
+        seen.append(1)
+        if len(seen) == (3 if bn == "micro" else 7):  # mid-way: after some gradients were accumulated
+            raise RuntimeError("data pipeline broke")
+        return ce_loss(m, b)
+    with pytest.raises(RuntimeError, match="data pipeline broke"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn)
+    assert_unchanged(model, snap)
+    assert all(m._accum_plan is None for m in model.modules() if isinstance(m, accumnorm.BatchNorm2d))
+
+
+def test_torch_batchnorm_is_refused_in_exact_mode():
+    model = vgg()
+    with pytest.raises(ValueError, match=r"1 is torch's BatchNorm2d using batch statistics; convert the model with accumnorm\.convert"):
+        accumnorm.backward(model, data((1, 16, 16), 4), ce_loss, micro_batch_size=2)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_one_value_per_channel_is_refused_like_torch():
+    model = accumnorm.convert(mlp())
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training, got 1"):
+        accumnorm.backward(model, data((64,), 1), ce_loss, micro_batch_size=1)
+
+
+def test_changing_batchnorm_calls_between_micro_batches_is_refused():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = accumnorm.BatchNorm1d(4), accumnorm.BatchNorm1d(4)
+            self.lin = nn.Linear(4, 10)
+        def forward(self, x):
+            x = self.a(x)
+            if x.shape[0] < 3:  # data-dependent control flow: the short last micro-batch skips a BN
+                return self.lin(x)
+            return self.lin(self.b(x))
+    with pytest.raises(RuntimeError, match="same sequence of BatchNorm calls"):
+        accumnorm.backward(Branchy(), data((4,), 8), ce_loss, micro_batch_size=3)

@@ -1,0 +1,66 @@
+"""The norm factory and the model converters."""
+import pytest
+import torch
+import torch.nn as nn
+
+import accumnorm
+
+
+@pytest.mark.parametrize("name,cls", [
+    ("bn", accumnorm.BatchNorm2d), ("bn1d", accumnorm.BatchNorm1d), ("bn3d", accumnorm.BatchNorm3d),
+    ("gn4", accumnorm.GroupNorm), ("GN16", accumnorm.GroupNorm), ("in", accumnorm.InstanceNorm2d),
+    ("ln", accumnorm.LayerNorm), ("none", nn.Identity),
+])
+@pytest.mark.parametrize("channels", [32, None])
+def test_factory_builds_each_kind_eager_or_lazy(name, cls, channels):
+    layer = accumnorm.norm(name, channels)
+    assert type(layer) is cls
+    out = layer(torch.randn(2, 32, 4, 4) if "1d" not in name and "3d" not in name else
+                torch.randn(2, 32, 4) if "1d" in name else torch.randn(2, 32, 2, 2, 2))
+    assert out.shape[1] == 32
+    if name.startswith(("gn", "GN")):
+        assert layer.num_groups == int(name[2:])
+    if name == "in":
+        assert layer.affine
+
+
+def test_factory_passes_kwargs_and_rejects_unknown_names():
+    assert accumnorm.norm("bn", 8, momentum=0.5).momentum == 0.5
+    assert accumnorm.norm("in", 8, affine=False).affine is False
+    with pytest.raises(ValueError, match=r"unknown norm 'batchnorm'; valid names: bn, .*gn<G>.*none"):
+        accumnorm.norm("batchnorm", 8)
+    with pytest.raises(TypeError, match="norm name must be a str, got int"):
+        accumnorm.norm(4, 8)
+
+
+def test_convert_keeps_tensors_flags_and_optimizer_and_revert_goes_back():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Sequential(nn.Flatten(), nn.BatchNorm1d(4 * 36)),
+                          nn.SyncBatchNorm(2))
+    model[1](torch.randn(5, 4, 6, 6))  # non-trivial running stats
+    model[2].eval()
+    weight, running_mean = model[1].weight, model[1].running_mean
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    conv = accumnorm.convert(model)
+    assert conv is model
+    assert type(conv[1]) is accumnorm.BatchNorm2d and type(conv[2][1]) is accumnorm.BatchNorm1d
+    assert type(conv[3]) is accumnorm.BatchNorm
+    assert conv[1].weight is weight and conv[1].running_mean is running_mean
+    assert int(conv[1].num_batches_tracked) == 1
+    assert conv[1].training and not conv[2][1].training
+    conv[1].weight.grad = torch.ones(4)
+    opt.step()  # the optimizer built before conversion updates the converted layer
+    assert torch.allclose(conv[1].weight, torch.full((4,), 0.9))
+    back = accumnorm.revert(conv)
+    assert type(back[1]) is nn.BatchNorm2d and type(back[2][1]) is nn.BatchNorm1d and type(back[3]) is nn.SyncBatchNorm
+    assert back[1].weight is weight and not back[2][1].training
+
+
+def test_convert_of_a_bare_layer_returns_a_new_layer():
+    bn = nn.BatchNorm1d(3, affine=False, track_running_stats=False)
+    out = accumnorm.convert(bn)
+    assert type(out) is accumnorm.BatchNorm1d and out.weight is None and out.running_mean is None
+
+
+def test_revert_refuses_a_lazy_layer_before_its_first_forward():
+    with pytest.raises(ValueError, match="before its lazy shape is known"):
+        accumnorm.revert(accumnorm.BatchNorm2d())

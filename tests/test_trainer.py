@@ -1,0 +1,310 @@
+"""The Trainer in one process: exact steps against whole-batch PyTorch, the fit loop and its logs,
+checkpoints that resume bit for bit after a real SIGKILL, bf16 autocast, and clear errors.
+
+This file is also the program of the killed and resumed runs: ``python tests/test_trainer.py MODE OUT``.
+"""
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import accumnorm
+from accumnorm import Trainer
+from conftest import ce_loss, rel_err
+from models import vgg
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors run fastest on one thread, and much slower with two on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Dropout(0.2), nn.Linear(6 * 4 * 4, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                         nn.Linear(16, 3))
+
+
+def read_metrics(directory: Path) -> list[dict]:
+    with open(directory / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+class NoisyDigits(torch.utils.data.Dataset):
+    """Samples with noise from numpy's and python's RNGs, so a resume must restore those too."""
+
+    def __init__(self, n: int = 44):
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        noise = np.random.standard_normal((1, 8, 8)).astype(np.float32) * 0.1 + random.random() * 0.1
+        return self.x[i] + torch.from_numpy(noise), self.y[i]
+
+
+# ---------------------------------------------------------------- exactness in one process
+def test_step_equals_whole_batch_pytorch_including_a_short_last_batch():
+    """micro_batch_size 4 on batches of 12, 12 and 7 (a short last batch: 4 + 3), with clipping and a
+    scheduler, against one forward/backward per whole batch with torch's BatchNorm."""
+    sizes = [12, 12, 7]
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+    def make(model):
+        model.eval()  # no dropout: the two runs draw different random masks
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    oracle = small_net()
+    opt, sched = make(oracle)
+    oracle_losses = []
+    for b in data:
+        opt.zero_grad()
+        loss = ce_loss(oracle, b)
+        loss.backward()
+        nn.utils.clip_grad_norm_(oracle.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        oracle_losses.append(loss.item())
+
+    model = accumnorm.convert(small_net())
+    opt, sched = make(model)
+    trainer = Trainer(model, opt, ce_loss, micro_batch_size=4, scheduler=sched, max_grad_norm=0.5)
+    losses = [trainer.step(b) for b in data]
+    assert losses == pytest.approx(oracle_losses, rel=1e-5)
+    assert trainer.step_count == 3 and sched.get_last_lr() == [0.2 * 0.5 ** 3]
+    for key, want in oracle.state_dict().items():
+        assert rel_err(model.state_dict()[key], want) < 1e-5, key
+
+
+# ---------------------------------------------------------------- fit, logs, errors
+def test_fit_runs_epochs_logs_and_evaluates(tmp_path):
+    model = accumnorm.convert(small_net())
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-2), ce_loss, micro_batch_size=3)
+    loader = torch.utils.data.DataLoader(NoisyDigits(20), batch_size=8)  # 8, 8, 4 per epoch
+    evals = []
+    final = trainer.fit(loader, epochs=2, eval_fn=lambda m: evals.append(m.training) or 0.5, eval_every=4,
+                        log=tmp_path)
+    assert (trainer.step_count, trainer.epoch, trainer.batch_in_epoch) == (6, 2, 0)
+    assert evals == [False, False] and final["eval"] == 0.5 and model.training  # at step 4 and at the end
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["effective_batch_size"], config["accumulation_steps"], config["world_size"]) == (8, 3, 1)
+    rows = read_metrics(tmp_path)
+    assert [int(r["step"]) for r in rows if r["name"] == "loss"] == [1, 2, 3, 4, 5, 6]
+    assert [int(r["step"]) for r in rows if r["name"] == "eval"] == [4, 6]
+    assert any(tmp_path.glob("events.out.tfevents.*"))  # tensorboard is installed with the dev extra
+
+
+def test_fit_gives_a_distributed_sampler_each_epoch_number():
+    """DistributedSampler shuffles by epoch number: without set_epoch every epoch repeats the first."""
+    data = torch.utils.data.TensorDataset(torch.randn(12, 1, 8, 8), torch.arange(12) % 3, torch.arange(12))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    seen = []
+
+    def recording_loss(model, batch):
+        seen.extend(batch[2].tolist())
+        return ce_loss(model, batch[:2])
+
+    model = accumnorm.convert(small_net())
+    # bn="micro" runs loss_fn once per micro-batch (exact runs it once per pass), so each batch is seen once
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), recording_loss, micro_batch_size=6,
+                      bn="micro")
+    trainer.fit(torch.utils.data.DataLoader(data, batch_size=6, sampler=sampler), epochs=2, log=None)
+    want = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        want += list(sampler)
+    assert seen == want and want[:12] != want[12:]
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    model = accumnorm.convert(small_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="amp='fp16' needs the model on a CUDA device.*on cpu"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, amp="fp16")
+    with pytest.raises(ValueError, match="amp must be None, 'bf16' or 'fp16', got 'fp8'"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, amp="fp8")
+    trainer = Trainer(model, opt, ce_loss, micro_batch_size=2)
+    with pytest.raises(ValueError, match="steps=, epochs="):
+        trainer.fit([], log=None)
+    with pytest.raises(ValueError, match="checkpoint_every needs a log directory"):
+        trainer.fit([], steps=3, log=None, checkpoint_every=1)
+    with pytest.raises(ValueError, match="the loader yielded no batches in epoch 0"):
+        trainer.fit([], steps=3, log=tmp_path)
+    assert trainer.step_count == 0
+
+
+def test_checkpoint_of_another_model_names_the_keys_and_changes_nothing(tmp_path):
+    model = accumnorm.convert(small_net())
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss,
+                      micro_batch_size=2).save(tmp_path / "ckpt.pt")
+    torch.manual_seed(5)
+    other = accumnorm.convert(nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+                                            nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(), nn.Linear(6 * 4 * 4, 32)))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError) as error:
+        Trainer.load(tmp_path / "ckpt.pt", other, torch.optim.SGD(other.parameters(), lr=0.1), ce_loss)
+    message = str(error.value)
+    assert "missing in checkpoint" not in message
+    assert "not in model: 7.bias; 7.num_batches_tracked; 7.running_mean; 7.running_var; 7.weight; 9.bias; 9.weight" in message
+    assert "shapes differ: 6.weight (16, 96) in checkpoint, (32, 96) in model; 6.bias (16,) in checkpoint" in message
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    """A save that dies half way leaves the previous checkpoint whole and no temporary file."""
+    model = accumnorm.convert(small_net())
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=2)
+    path = tmp_path / "ckpt.pt"
+    trainer.save(path)
+    good = path.read_bytes()
+    trainer.step_count = 7
+
+    def dies_half_way(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save(path)
+    assert path.read_bytes() == good and os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_a_step_with_inf_gradients_is_skipped_as_grad_scaler_does():
+    """The fp16 path's scaler handling, run on CPU with torch.amp.GradScaler("cpu") in place of the
+    CUDA one that amp="fp16" makes: an inf gradient skips the optimizer and the scheduler and halves
+    the scale; the next finite step goes through."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def sqrt_bias_loss(model, batch):  # d sqrt(b)/db is inf at b = 0, while the loss stays finite
+        return F.mse_loss(model(batch[0]), batch[1]) + model.bias.sqrt().sum()
+
+    trainer = Trainer(model, opt, sqrt_bias_loss, micro_batch_size=2, scheduler=sched, max_grad_norm=1.0)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batch = (torch.randn(4, 2), torch.randn(4, 1))
+    with torch.no_grad():
+        model.bias.zero_()
+    before = [p.clone() for p in model.parameters()]
+    trainer.step(batch)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert (trainer.scaler.get_scale(), sched.get_last_lr(), trainer.step_count) == (512.0, [0.1], 1)
+    with torch.no_grad():
+        model.bias.fill_(1.0)
+    model.zero_grad()
+    sqrt_bias_loss(model, batch).backward()
+    true_norm = nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    trainer.step(batch)
+    assert not torch.equal(model.weight, before[0])
+    assert (trainer.scaler.get_scale(), sched.get_last_lr(), trainer.step_count) == (512.0, [0.05], 2)
+    assert trainer.grad_norm == pytest.approx(true_norm, rel=1e-5)  # unscaled before clipping, not 512x
+
+
+# ---------------------------------------------------------------- bf16 autocast
+def test_bf16_autocast_on_cpu_trains_the_study_net():
+    model = accumnorm.convert(vgg(widths=(32, 64, 128, 256)))  # the study's net at full width
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-3), ce_loss, micro_batch_size=4,
+                                amp="bf16")
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(16, 1, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
+    losses = [trainer.step(batch) for _ in range(8)]
+    assert all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses  # it learns the batch
+    for name, tensor in model.state_dict().items():
+        assert torch.isfinite(tensor.float()).all(), name
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert len(norms) == 4
+    for m in norms:
+        assert m.running_mean.dtype == m.running_var.dtype == torch.float32
+        assert m.num_batches_tracked == 8 and m.running_var.min() > 0
+
+
+# ---------------------------------------------------------------- kill and resume
+RESUME_STEPS, CHECKPOINT_EVERY, KILL_IN_STEP = 20, 5, 12
+
+
+def resume_program(mode: str, out: Path) -> None:
+    """full: 20 steps. killed: the same run, SIGKILLed inside step 12 (last checkpoint: step 10).
+    resumed: load out/checkpoint.pt in a fresh process and fit to step 20."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    model = accumnorm.convert(small_net())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
+    loader = torch.utils.data.DataLoader(NoisyDigits(), batch_size=8, shuffle=True)  # 6 batches, the last of 4
+
+    def maybe_killed(model, batch):
+        if mode == "killed" and trainer.step_count == KILL_IN_STEP - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return ce_loss(model, batch)
+
+    def eval_fn(model):  # draws from the RNG too, as a validation sampler might
+        return torch.rand(()).item()
+
+    kwargs = dict(scheduler=sched)
+    if mode == "resumed":
+        trainer = Trainer.load(out / "checkpoint.pt", model, opt, maybe_killed, **kwargs)
+        assert trainer.step_count == 10
+    else:
+        trainer = Trainer(model, opt, maybe_killed, micro_batch_size=3, max_grad_norm=1.0, **kwargs)
+    trainer.fit(loader, steps=RESUME_STEPS, eval_fn=eval_fn, eval_every=4, log=out, checkpoint_every=CHECKPOINT_EVERY)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()},
+               out / "final.pt")
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path):
+    """20 steps, against: killed by SIGKILL in step 12, resumed from the step-10 checkpoint in a fresh
+    process, 10 more steps. Parameters, optimizer state, RNG and every logged loss are bit-identical."""
+    def run(mode, out):
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+               "PYTHONPATH": os.pathsep.join([str(Path(accumnorm.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+        return subprocess.run([sys.executable, __file__, mode, str(out)], env=env, timeout=120,
+                              capture_output=True, text=True)
+
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    full.mkdir(), broken.mkdir()
+    proc = run("full", full)
+    assert proc.returncode == 0, proc.stderr
+    proc = run("killed", broken)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not (broken / "final.pt").exists()
+    assert max(int(r["step"]) for r in read_metrics(broken)) == KILL_IN_STEP - 1  # logged past the checkpoint
+    proc = run("resumed", broken)
+    assert proc.returncode == 0, proc.stderr
+    want, got = torch.load(full / "final.pt"), torch.load(broken / "final.pt")
+    for key, value in want["model"].items():
+        assert torch.equal(value, got["model"][key]), key
+    for i, state in want["optimizer"]["state"].items():
+        assert all(torch.equal(v, got["optimizer"]["state"][i][k]) for k, v in state.items())
+    assert want["optimizer"]["param_groups"] == got["optimizer"]["param_groups"]
+    assert torch.equal(want["rng"], got["rng"])
+    logged = lambda d: [(r["step"], r["name"], r["value"]) for r in read_metrics(d) if r["name"] != "samples_per_s"]
+    assert logged(full) == logged(broken)
+    assert [r[0] for r in logged(full) if r[1] == "loss"] == [str(s) for s in range(1, RESUME_STEPS + 1)]
+
+
+if __name__ == "__main__":
+    resume_program(sys.argv[1], Path(sys.argv[2]))
