@@ -18,7 +18,7 @@ def test_quick_grid_is_the_default_and_options_override_it(monkeypatch):
     monkeypatch.setattr(accumnorm.study, "run_study", lambda out, settings, **kw: seen.update(out=out, settings=settings, **kw))
     assert main(["study", "--quick", "--runs", "1", "--norms", "bn, gn16"]) == 0
     s = seen["settings"]
-    assert (s.dataset, s.configs, s.iterations, s.eval_every) == ("digits", tuple(QUICK["configs"].split(",")), 300, 50)
+    assert (s.dataset, s.configs, s.iterations, s.eval_every) == ("digits", tuple(QUICK["configs"].split(",")), 260, 65)
     assert (s.runs, s.norms, seen["out"], seen["progress"]) == (1, ("bn", "gn16"), "study-out/quick", True)
     assert main(["study", "--dataset", "fashion-mnist", "--no-progress"]) == 0
     s = seen["settings"]
