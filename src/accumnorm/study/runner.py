@@ -50,14 +50,16 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     done = {(r["norm"], r["batch_size"], r["num_accum"], r["run"]) for r in store.read_results(out)}
     cells = [(name, *parse_config(c)) for name in settings.norms for c in settings.configs]
     failures: dict[tuple[str, int, int], str] = {}
-    bar = _progress_bar(len(cells) * settings.runs * settings.iterations, len(done) * settings.iterations, progress)
+    total_runs = len(cells) * settings.runs
+    bar = _progress_bar(total_runs * settings.iterations, len(done) * settings.iterations, progress)
     for name, b, k in cells:
         pending = [r for r in range(settings.runs) if (name, b, k, r) not in done]
         cell_end = bar.n + len(pending) * settings.iterations
         # Runs of a per-channel norm train side by side in one wide model; others one at a time.
         groups = [pending] if stackable(SimpleModel(norm_fn(name))) else [[r] for r in pending]
         for group in filter(None, groups):
-            bar.set_postfix_str(f"{name} {b}x{k} run{'s' if len(group) > 1 else ''} {','.join(map(str, group))}")
+            bar.set_postfix_str(f"{bar.n // settings.iterations}/{total_runs} runs done, now {name} {b}x{k} "
+                                f"run{'s' if len(group) > 1 else ''} {','.join(map(str, group))}")
             try:
                 rows = _train(name, b, k, group, data, settings, bar)
             except (ValueError, RuntimeError) as err:  # e.g. torch's BatchNorm on a 1x1 map at micro-batch 1
@@ -65,6 +67,7 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
                 break
             store.append_results(out, rows)
         bar.update(cell_end - bar.n)  # a failed cell's runs count as done: the grid goes on
+    bar.set_postfix_str(f"{total_runs}/{total_runs} runs done")
     bar.close()
     write_report(out, settings, store.read_results(out), failures, device=str(device))
     return out
