@@ -141,7 +141,7 @@ def _stack(layers: list[nn.Module]) -> nn.Module:
     # Replace every per-channel tensor by the runs' tensors laid end to end along dim 0; 0-dim
     # buffers (BatchNorm's num_batches_tracked) count steps, which all runs share.
     for name, tensor in [*wide.named_parameters(recurse=False), *wide.named_buffers(recurse=False)]:
-        if tensor is None or tensor.dim() == 0:
+        if tensor.dim() == 0:
             continue
         blocks = torch.cat([getattr(layer, name).detach().reshape(-1, *tensor.shape[1:]) for layer in layers])
         setattr(wide, name, nn.Parameter(blocks) if isinstance(tensor, nn.Parameter) else blocks)
