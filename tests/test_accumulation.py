@@ -125,6 +125,18 @@ def test_eval_mode_is_a_single_pass_with_running_stats():
     assert rel_err(loss, expected) < 1e-12
 
 
+def test_a_single_micro_batch_takes_one_pass():
+    ref, ours = oracle_and_ours(vgg(nn.Tanh).double())
+    batch = data((1, 16, 16), 6, torch.float64)
+    expected = whole_batch(ref, batch)
+    calls = []
+    loss_fn = lambda m, b: calls.append(1) or ce_loss(m, b)  # noqa: E731
+    loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=8)
+    assert len(calls) == 1
+    compare(ref, ours, 1e-10)
+    assert rel_err(loss, expected) < 1e-12
+
+
 class Shared(nn.Module):
     """One BatchNorm layer called twice in a forward, on different tensors."""
 

@@ -107,3 +107,18 @@ def test_layer_norm_is_not_stackable_and_runs_alone():
 def test_unknown_norm_lists_study_and_accumnorm_names():
     with pytest.raises(ValueError, match=r"unknown norm 'bogus'.*bn-exact.*gn<G>"):
         norm_fn("bogus")
+
+
+@pytest.mark.parametrize("name", ["bn", "gn16", "none"])
+def test_deferred_conv_weight_gradients_equal_per_micro_batch_ones(name):
+    """defer_weight_grads computes the same sum of per-micro-batch weight gradients in one call."""
+    x, y = _data(n=6)
+    grads = []
+    for defer in (False, True):
+        model = StackedModel(_runs(name), defer_weight_grads=defer).double()
+        accumnorm.backward(model, (x.double(), y), _loss, micro_batch_size=2, bn="micro")
+        model.flush_weight_grads()
+        grads.append([p.grad for p in model.parameters()])
+    scale = max(float(g.abs().max()) for g in grads[0])
+    for g0, g1 in zip(*grads):
+        assert float((g1 - g0).abs().max()) <= 1e-10 * max(float(g0.abs().max()), 1e-2 * scale)

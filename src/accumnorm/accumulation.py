@@ -400,7 +400,9 @@ def backward(
     for p in params:
         p.grad = None
     try:
-        exact = bn == "exact" and any(m.uses_batch_stats() for m in layers)
+        # One micro-batch on one process is the whole batch: plain BatchNorm is already exact.
+        whole = len(micro_batches) == 1 and group.group is None
+        exact = bn == "exact" and not whole and any(m.uses_batch_stats() for m in layers)
         calls = step.exact(layers) if exact else step.plain()
         losses = torch.stack(step.losses)
         finite = torch.isfinite(losses)

@@ -100,10 +100,12 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
     for r in runs:
         torch.manual_seed(settings.seed + r)  # run r starts exactly where a lone SimpleModel under this seed would
         models.append(SimpleModel(norm_fn(name), in_channels=data.train_x.shape[1], num_classes=data.num_classes))
-    model = (StackedModel(models) if len(models) > 1 else SingleRun(models[0])).to(device)
+    bn_mode = "exact" if name == EXACT_BN else "micro"  # "micro": per-micro-batch statistics, as the study
+    # Plain accumulation runs each micro-batch's backward once: conv weight gradients can wait for one call per step.
+    model = (StackedModel(models, defer_weight_grads=bn_mode == "micro") if len(models) > 1
+             else SingleRun(models[0])).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     order = data_order(len(data.train_x), settings.iterations, b * k, [settings.seed + r for r in runs]).to(device)
-    bn_mode = "exact" if name == EXACT_BN else "micro"  # "micro": per-micro-batch statistics, as the study
 
     # Per-run loss of every completed forward, summed on the device: no host sync per step.
     # bn="exact" makes several complete forwards of a micro-batch, all with the same loss, so the
@@ -121,6 +123,8 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
     for it in range(1, settings.iterations + 1):
         idx = order[:, it - 1].T  # (B*K, R): sample n of the effective batch, one per run
         accumnorm.backward(model, (data.train_x[idx], data.train_y[idx]), loss_fn, micro_batch_size=b, bn=bn_mode)
+        if isinstance(model, StackedModel):
+            model.flush_weight_grads()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         bar.update(len(runs))
