@@ -379,7 +379,7 @@ def test_torch_batchnorm_is_refused_in_exact_mode():
 
 def test_one_value_per_channel_is_refused_like_torch():
     model = accumnorm.convert(mlp())
-    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training, got 1"):
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         accumnorm.backward(model, data((64,), 1), ce_loss, micro_batch_size=1)
 
 

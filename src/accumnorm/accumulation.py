@@ -67,7 +67,6 @@ class _Call:
         self.var: Tensor | None = None
         self.sums: GradSums | None = None
         self.input: Tensor | None = None  # the BN input of the current micro-batch, for sums/correction passes
-        self.local_count = 0  # values per channel on this rank, summed over its micro-batches
 
 
 class _Plan:
@@ -98,7 +97,6 @@ class _Plan:
         if self.mode == self.STATS or (self.mode == self.SUMS and i < target):
             if i == target:
                 call.parts.append(moments(x))
-                call.local_count += x.numel() // x.shape[1]
                 raise _Stop
             return F.batch_norm(x, call.mean, call.var, w, b, False, 0.0, eps)  # no grad needed here
         if self.mode == self.SUMS and i == target:
@@ -263,14 +261,8 @@ class _Step:
             parts = call.parts
             local = combine_moments(Moments(torch.stack([p.count for p in parts]),
                                             torch.stack([p.mean for p in parts]), torch.stack([p.m2 for p in parts])))
+            # Two or more micro-batches (or ranks) hold at least 2 values per channel: no count check needed.
             call.stats, call.parts = self.group.gather_moments(local), []
-            # Host-side count: no device sync, except under a process group (which syncs anyway).
-            count = call.local_count if self.group.group is None else int(call.stats.count.item())
-            if count <= 1:
-                raise ValueError(
-                    f"Expected more than 1 value per channel when training, got {count} in the whole batch "
-                    f"at {call.module._get_name()} (BatchNorm call {j})"
-                )
             call.mean, call.var = call.stats.mean, call.stats.var
             call.sums = GradSums(call.mean.shape[0], call.stats.count)
 
