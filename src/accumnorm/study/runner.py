@@ -141,14 +141,17 @@ def _in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, th
                 bar: "_GridProgress") -> Iterator[tuple[Task, Outcome]]:
     """Train the tasks in `workers` spawned processes of `threads` threads; yield each as it finishes.
 
-    After a failure the tasks of that cell not yet started are cancelled.
+    The likely costliest tasks go first (bn-exact's extra passes, then more micro-batches per
+    step), so that the grid does not end on one long task while the other workers idle. After a
+    failure the tasks of that cell not yet started are cancelled.
     """
     ctx = multiprocessing.get_context("spawn")
     steps = ctx.Queue()  # (task index, run-steps) from the workers, drained here while waiting
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
                                initargs=(settings, threads, steps, os.getpid()))
     try:
-        running = {pool.submit(_work, i, task): i for i, task in enumerate(tasks)}
+        order = sorted(range(len(tasks)), key=lambda i: (tasks[i].name == EXACT_BN, tasks[i].k), reverse=True)
+        running = {pool.submit(_work, i, tasks[i]): i for i in order}
         while running:
             finished, _ = wait(running, timeout=0.1, return_when=FIRST_COMPLETED)
             while True:
