@@ -79,7 +79,7 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
         raise ValueError(f"workers must be a positive int, got {workers!r}")
     data_dir = None if settings.dataset == "digits" or settings.data_dir is None else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
-    data = load_dataset(settings.dataset, settings.data_dir).to(device)  # may fail: nothing written yet
+    data = load_dataset(settings.dataset, settings.data_dir).to(device)  # may fail: nothing written yet (workers load their own)
     store.open_out(out, settings.to_json())
 
     done = {(r["norm"], r["batch_size"], r["num_accum"], r["run"]) for r in store.read_results(out)}
@@ -177,6 +177,7 @@ _worker: dict[str, Any] = {}  # in a worker process: its dataset, settings, step
 
 
 def _init_worker(settings: StudySettings, threads: int, steps: Any, parent: int) -> None:
+    """Set up a worker process once: its share of the threads and its own copy of the dataset."""
     torch.set_num_threads(threads)
     _worker.update(data=load_dataset(settings.dataset, settings.data_dir), settings=settings, steps=steps, parent=parent)
 
