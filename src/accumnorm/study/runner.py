@@ -147,8 +147,9 @@ def _in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, th
     """
     ctx = multiprocessing.get_context("spawn")
     steps = ctx.Queue()  # (task index, run-steps) from the workers, drained here while waiting
+    stop = ctx.Event()  # set when this generator ends: workers quit at their next step (e.g. after a Ctrl-C)
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(settings, threads, steps, os.getpid()))
+                               initargs=(settings, threads, steps, stop, os.getpid()))
     try:
         order = sorted(range(len(tasks)), key=lambda i: (tasks[i].name == EXACT_BN, tasks[i].k), reverse=True)
         running = {pool.submit(_work, i, tasks[i]): i for i in order}
@@ -170,23 +171,25 @@ def _in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, th
                     yield tasks[i], outcome
                 bar.finish(i)
     finally:
+        stop.set()  # tasks already handed to a worker cannot be cancelled: they end at their next step
         pool.shutdown(cancel_futures=True)
 
 
-_worker: dict[str, Any] = {}  # in a worker process: its dataset, settings, step queue and parent's pid
+_worker: dict[str, Any] = {}  # in a worker process: its dataset, settings, step queue, stop event and parent's pid
 
 
-def _init_worker(settings: StudySettings, threads: int, steps: Any, parent: int) -> None:
+def _init_worker(settings: StudySettings, threads: int, steps: Any, stop: Any, parent: int) -> None:
     """Set up a worker process once: its share of the threads and its own copy of the dataset."""
     torch.set_num_threads(threads)
-    _worker.update(data=load_dataset(settings.dataset, settings.data_dir), settings=settings, steps=steps, parent=parent)
+    _worker.update(data=load_dataset(settings.dataset, settings.data_dir), settings=settings, steps=steps, stop=stop,
+                   parent=parent)
 
 
 def _work(index: int, task: Task) -> Outcome:
     """Train task number `index` in a worker process, reporting every step to the parent."""
     def on_step(n: int) -> None:
-        if os.getppid() != _worker["parent"]:
-            os._exit(1)  # the parent was killed: nobody will store this task's rows
+        if _worker["stop"].is_set() or os.getppid() != _worker["parent"]:
+            os._exit(1)  # the parent stopped or was killed: nobody will store this task's rows
         _worker["steps"].put((index, n))
 
     return _attempt(task, _worker["data"], _worker["settings"], on_step)
