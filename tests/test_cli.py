@@ -19,11 +19,11 @@ def test_quick_grid_is_the_default_and_options_override_it(monkeypatch):
     assert main(["study", "--quick", "--runs", "1", "--norms", "bn, gn16"]) == 0
     s = seen["settings"]
     assert (s.dataset, s.configs, s.iterations, s.eval_every) == ("digits", tuple(QUICK["configs"].split(",")), 260, 65)
-    assert (s.runs, s.norms, seen["out"], seen["progress"]) == (1, ("bn", "gn16"), "study-out/quick", True)
-    assert main(["study", "--dataset", "fashion-mnist", "--no-progress"]) == 0
+    assert (s.runs, s.norms, seen["out"], seen["progress"], seen["workers"]) == (1, ("bn", "gn16"), "study-out/quick", True, None)
+    assert main(["study", "--dataset", "fashion-mnist", "--no-progress", "--workers", "1"]) == 0
     s = seen["settings"]
     assert (s.dataset, s.iterations, s.eval_every, s.runs, "bn-exact" in s.norms) == ("fashion-mnist", 3600, 300, 3, True)
-    assert (seen["out"], seen["progress"]) == ("study-out/fashion-mnist", False)
+    assert (seen["out"], seen["progress"], seen["workers"]) == ("study-out/fashion-mnist", False, 1)
 
 
 def test_a_tiny_study_from_the_command_line(tmp_path):

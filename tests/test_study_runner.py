@@ -97,19 +97,47 @@ def test_resume_after_a_crash_skips_finished_runs_and_gives_the_same_results(tmp
             raise Killed
         return train(name, b, k, runs, *args)
 
-    monkeypatch.setattr(runner, "_train", crash_on_second)
+    monkeypatch.setattr(runner, "_train", crash_on_second)  # reaches this process only: workers=1
     with pytest.raises(Killed):
-        run_study(tmp_path / "resumed", settings, progress=False)
+        run_study(tmp_path / "resumed", settings, progress=False, workers=1)
     assert {r["run"] for r in _rows(tmp_path / "resumed")} == {"0"}  # run 0 was kept whole, nothing of run 1
     assert not (tmp_path / "resumed" / "summary.md").exists()
     calls.clear()
-    run_study(tmp_path / "resumed", settings, progress=False)
+    run_study(tmp_path / "resumed", settings, progress=False, workers=1)
     assert calls == [("ln", (1,)), ("none", (0, 1))]  # finished run 0 of ln was not trained again
     got, want = sorted(_rows(tmp_path / "resumed"), key=_key), sorted(_rows(tmp_path / "straight"), key=_key)
     assert [_key(r) for r in got] == [_key(r) for r in want]
     for a, b in zip(got, want):
         assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), rel=1e-5)
         assert float(a["valid_acc"]) == pytest.approx(float(b["valid_acc"]), abs=1.5 / 360)
+
+
+def test_cells_in_worker_processes_give_the_same_results_and_failures(tmp_path):
+    """Each run's seed fixes its computation: 2 worker processes of 1 thread give what 1 process of 1 thread gives.
+
+    (The thread count, not the process, changes the rounding: bn's losses move by ~1e-4 after 4 steps.)
+    """
+    settings = StudySettings(norms=("bn", "gn4"), configs=("1x2", "2x2"), **TINY)  # bn at 1x2 cannot run on digits
+    threads = torch.get_num_threads()
+    try:
+        for workers in (1, 2):
+            torch.set_num_threads(workers)  # a budget of 1 thread per worker
+            run_study(tmp_path / f"w{workers}", settings, device="cpu", progress=False, workers=workers)
+    finally:
+        torch.set_num_threads(threads)
+    got, want = sorted(_rows(tmp_path / "w2"), key=_key), sorted(_rows(tmp_path / "w1"), key=_key)
+    assert [_key(r) for r in got] == [_key(r) for r in want] and len(got) == 3 * 2 * 2  # cells x runs x evaluations
+    for a, b in zip(got, want):
+        assert float(a["valid_acc"]) == float(b["valid_acc"])
+        assert float(a["train_loss"]) == pytest.approx(float(b["train_loss"]), rel=1e-6)
+    for workers in (1, 2):
+        summary = (tmp_path / f"w{workers}" / "summary.md").read_text()
+        bn_line = next(line for line in summary.splitlines() if line.startswith("| bn |"))
+        assert "| failed: Expected more than 1 value per channel" in bn_line
+    assert "<th>workers</th><td>2</td>" in (tmp_path / "w2" / "report.html").read_text()
+    with pytest.raises(ValueError, match="workers must be a positive int, got 0"):
+        run_study(tmp_path / "w0", settings, progress=False, workers=0)
+    assert not (tmp_path / "w0").exists()
 
 
 def test_refuses_an_out_with_other_settings_and_leaves_it_untouched(tmp_path):

@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     s.add_argument("--out", help="output directory (default study-out/quick with --quick, else study-out/<dataset>)")
     s.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    s.add_argument("--workers", type=int,
+                   help="processes training cells in parallel, splitting the --threads budget (default on a CPU: one per "
+                        "thread, at most one per pending cell; 1 trains in this process; on CUDA always 1)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -58,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         settings = StudySettings(**fields)
-        run_study(out, settings, device=args.device, progress=not args.no_progress)
+        run_study(out, settings, device=args.device, progress=not args.no_progress, workers=args.workers)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"accumnorm study: error: {err}", file=sys.stderr)
         return 2

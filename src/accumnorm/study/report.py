@@ -59,8 +59,11 @@ def summary_cells(settings: StudySettings, rows: list[dict[str, Any]], failures:
 
 
 def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]], failures: dict[tuple[str, int, int], str],
-                 device: str) -> None:
-    """Write summary.md, curves.png and report.html into `out` from the results rows."""
+                 device: str, workers: int = 1, threads: int | None = None) -> None:
+    """Write summary.md, curves.png and report.html into `out` from the results rows.
+
+    `workers` processes of `threads` torch threads each (default: this process's) trained the cells.
+    """
     table = summary_cells(settings, rows, failures)
     caption = (f"Mean validation accuracy after step {AFTER_STEP} (mean ± std over {settings.runs} runs), "
                f"{settings.dataset}, {settings.iterations} steps, Adam lr {settings.lr}, "
@@ -72,7 +75,8 @@ def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]],
     png = _curves_png(settings, rows)
     atomic_write(out / "curves.png", png)
 
-    info = {**settings.to_json(), "device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    info = {**settings.to_json(), "device": device, "torch": torch.__version__, "workers": workers,
+            "threads per worker": threads or torch.get_num_threads(),
             "python": platform.python_version()}
     cell = lambda tag, text: f"<{tag}>{html.escape(str(text))}</{tag}>"  # noqa: E731
     head = "<tr>" + "".join(cell("th", t) for t in table[0]) + "</tr>"

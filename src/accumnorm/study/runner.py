@@ -9,14 +9,29 @@ being studied, not by luck. Differences from the study's loop, none of which cha
 arithmetic of a step: data preloaded as tensors, the data order an endless stream of
 permutations (no short last batch at an epoch's end), train_loss the mean over all
 micro-batches since the previous evaluation, and the runs of a cell trained side by side.
+
+On a CPU the cells also run in parallel, in worker processes that split the thread budget
+(torch.get_num_threads()) between them: at micro-batch 1 a step is a long chain of small
+calls that intra-op threads barely speed up (a step takes ~65 ms on 2 threads, ~93 ms on 1),
+so two cells on one thread each get through ~1.4x more steps than one cell on two threads.
+The cells are independent and every run's seed fixes its whole computation, so the results
+do not depend on the process a cell ran in. Workers are spawned (torch is not fork-safe),
+load the dataset once each, train one task (the runs of a cell trained together) at a time
+and send their step counts to the parent's progress bar; the parent appends each finished
+task's rows to results.csv as it comes back, so a kill loses only the tasks in progress.
+On CUDA one process drives the GPU.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
+import os
+import queue
 import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,45 +47,152 @@ from .settings import StudySettings, parse_config
 EVAL_BATCH = 256  # validation images per forward: big enough to amortize calls, small enough for R-wide maps
 
 
+class Task(NamedTuple):
+    """Runs of one cell trained together: all pending runs of a stackable norm, else one run."""
+
+    name: str
+    b: int
+    k: int
+    runs: tuple[int, ...]
+
+    def label(self) -> str:
+        return f"{self.name} {self.b}x{self.k} run{'s' if len(self.runs) > 1 else ''} {','.join(map(str, self.runs))}"
+
+
+Outcome = list[dict[str, Any]] | str  # a finished task's result rows, or why its cell cannot run
+
+
 def run_study(out: str | Path, settings: StudySettings | None = None, *, device: str | torch.device | None = None,
-              progress: bool = True) -> Path:
+              progress: bool = True, workers: int | None = None) -> Path:
     """Run (or resume) the grid of `settings` into `out`; write the reports; return `out`.
 
     Runs already in out/results.csv are skipped. A cell that cannot run (e.g. torch's BatchNorm
     at micro-batch 1 where a feature map is 1x1) is reported with its reason and the grid goes on.
+    `workers`: processes training cells in parallel on a CPU, each with torch.get_num_threads() //
+    workers threads (default: one per thread of that budget, at most one per pending task); 1
+    trains in this process. On CUDA always 1. The report says how many ran.
     """
     settings = settings or StudySettings()
     out = Path(out)
     device = _device(device)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
     data_dir = None if settings.dataset == "digits" or settings.data_dir is None else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
-    data = load_dataset(settings.dataset, settings.data_dir).to(device)  # may fail: nothing written yet
+    data = load_dataset(settings.dataset, settings.data_dir).to(device)  # may fail: nothing written yet (workers load their own)
     store.open_out(out, settings.to_json())
 
     done = {(r["norm"], r["batch_size"], r["num_accum"], r["run"]) for r in store.read_results(out)}
     cells = [(name, *parse_config(c)) for name in settings.norms for c in settings.configs]
-    failures: dict[tuple[str, int, int], str] = {}
-    total_runs = len(cells) * settings.runs
-    bar = _progress_bar(total_runs * settings.iterations, len(done) * settings.iterations, progress)
+    tasks = []
     for name, b, k in cells:
-        pending = [r for r in range(settings.runs) if (name, b, k, r) not in done]
-        cell_end = bar.n + len(pending) * settings.iterations
+        pending = tuple(r for r in range(settings.runs) if (name, b, k, r) not in done)
         # Runs of a per-channel norm train side by side in one wide model; others one at a time.
-        groups = [pending] if stackable(SimpleModel(norm_fn(name))) else [[r] for r in pending]
-        for group in filter(None, groups):
-            bar.set_postfix_str(f"{bar.n // settings.iterations}/{total_runs} runs done, now {name} {b}x{k} "
-                                f"run{'s' if len(group) > 1 else ''} {','.join(map(str, group))}")
-            try:
-                rows = _train(name, b, k, group, data, settings, bar)
-            except (ValueError, RuntimeError) as err:  # e.g. torch's BatchNorm on a 1x1 map at micro-batch 1
-                failures[(name, b, k)] = str(err).strip().splitlines()[0]
-                break
-            store.append_results(out, rows)
-        bar.update(cell_end - bar.n)  # a failed cell's runs count as done: the grid goes on
-    bar.set_postfix_str(f"{total_runs}/{total_runs} runs done")
+        groups = [pending] if stackable(SimpleModel(norm_fn(name))) else [(r,) for r in pending]
+        tasks += [Task(name, b, k, group) for group in groups if group]
+    workers, threads = _parallelism(workers, device, len(tasks))
+    total_runs = len(cells) * settings.runs
+    bar = _GridProgress(tasks, settings.iterations, total_runs - sum(len(t.runs) for t in tasks), total_runs, progress)
+    failures: dict[tuple[str, int, int], str] = {}
+    finished = (_in_process(tasks, data, settings, bar) if workers == 1
+                else _in_workers(tasks, settings, workers, threads, bar))
+    for task, outcome in finished:
+        if isinstance(outcome, str):
+            failures[task[:3]] = outcome
+        else:
+            store.append_results(out, outcome)
     bar.close()
-    write_report(out, settings, store.read_results(out), failures, device=str(device))
+    write_report(out, settings, store.read_results(out), failures, device=str(device), workers=workers, threads=threads)
     return out
+
+
+def _parallelism(workers: int | None, device: torch.device, tasks: int) -> tuple[int, int]:
+    """(worker processes, torch threads each) for `tasks` pending tasks within this process's thread budget."""
+    budget = torch.get_num_threads()
+    if device.type != "cpu":
+        return 1, budget
+    workers = max(1, min(workers or budget, tasks))
+    return workers, budget if workers == 1 else max(1, budget // workers)
+
+
+def _attempt(task: Task, data: Dataset, settings: StudySettings, on_step: Callable[[int], None]) -> Outcome:
+    """Train `task`; a ValueError or RuntimeError (e.g. torch's BatchNorm on a 1x1 map at micro-batch 1) is its outcome."""
+    try:
+        return _train(task.name, task.b, task.k, task.runs, data, settings, on_step)
+    except (ValueError, RuntimeError) as err:
+        return str(err).strip().splitlines()[0]
+
+
+def _in_process(tasks: Sequence[Task], data: Dataset, settings: StudySettings,
+                bar: "_GridProgress") -> Iterator[tuple[Task, Outcome]]:
+    """Train the tasks here, one after the other; after a failure, the rest of that cell is skipped."""
+    failed = set()
+    for i, task in enumerate(tasks):
+        if task[:3] not in failed:
+            bar.start(i)
+            outcome = _attempt(task, data, settings, bar.stepper(i))
+            if isinstance(outcome, str):
+                failed.add(task[:3])
+            yield task, outcome
+        bar.finish(i)  # a failed cell's runs count as done: the grid goes on
+
+
+def _in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, threads: int,
+                bar: "_GridProgress") -> Iterator[tuple[Task, Outcome]]:
+    """Train the tasks in `workers` spawned processes of `threads` threads; yield each as it finishes.
+
+    The likely costliest tasks go first (bn-exact's extra passes, then more micro-batches per
+    step), so that the grid does not end on one long task while the other workers idle. After a
+    failure the tasks of that cell not yet started are cancelled.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    steps = ctx.Queue()  # (task index, run-steps) from the workers, drained here while waiting
+    stop = ctx.Event()  # set when this generator ends: workers quit at their next step (e.g. after a Ctrl-C)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(settings, threads, steps, stop, os.getpid()))
+    try:
+        order = sorted(range(len(tasks)), key=lambda i: (tasks[i].name == EXACT_BN, tasks[i].k), reverse=True)
+        running = {pool.submit(_work, i, tasks[i]): i for i in order}
+        while running:
+            finished, _ = wait(running, timeout=0.1, return_when=FIRST_COMPLETED)
+            while True:
+                try:
+                    bar.step(*steps.get_nowait())
+                except queue.Empty:
+                    break
+            for future in finished:
+                i = running.pop(future)
+                if not future.cancelled():
+                    outcome = future.result()
+                    if isinstance(outcome, str):
+                        for other, j in running.items():
+                            if tasks[j][:3] == tasks[i][:3]:
+                                other.cancel()
+                    yield tasks[i], outcome
+                bar.finish(i)
+    finally:
+        stop.set()  # tasks already handed to a worker cannot be cancelled: they end at their next step
+        pool.shutdown(cancel_futures=True)
+
+
+_worker: dict[str, Any] = {}  # in a worker process: its dataset, settings, step queue, stop event and parent's pid
+
+
+def _init_worker(settings: StudySettings, threads: int, steps: Any, stop: Any, parent: int) -> None:
+    """Set up a worker process once: its share of the threads and its own copy of the dataset."""
+    torch.set_num_threads(threads)
+    _worker.update(data=load_dataset(settings.dataset, settings.data_dir), settings=settings, steps=steps, stop=stop,
+                   parent=parent)
+
+
+def _work(index: int, task: Task) -> Outcome:
+    """Train task number `index` in a worker process, reporting every step to the parent."""
+    def on_step(n: int) -> None:
+        if _worker["stop"].is_set() or os.getppid() != _worker["parent"]:
+            os._exit(1)  # the parent stopped or was killed: nobody will store this task's rows
+        _worker["steps"].put((index, n))
+
+    return _attempt(task, _worker["data"], _worker["settings"], on_step)
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -85,15 +207,53 @@ def _device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _progress_bar(total: int, initial: int, enabled: bool):
-    """One bar over the whole grid, in run-steps (a stacked step of R runs counts R)."""
-    from tqdm.auto import tqdm
+class _GridProgress:
+    """One bar over the whole grid, in run-steps (a stacked step of R runs counts R), fed by task number."""
 
-    return tqdm(total=total, initial=initial, unit="step", disable=not enabled, smoothing=0.05,
-                bar_format="{l_bar}{bar}| {n}/{total} run-steps [{elapsed}<{remaining}] {postfix}")
+    def __init__(self, tasks: Sequence[Task], iterations: int, runs_done: int, total_runs: int, enabled: bool):
+        from tqdm.auto import tqdm
+
+        self.tasks, self.iterations, self.runs_done, self.total_runs = tasks, iterations, runs_done, total_runs
+        self.credited: dict[int, int] = {}  # run-steps counted so far of each task in progress
+        self.finished: set[int] = set()
+        self.bar = tqdm(total=total_runs * iterations, initial=runs_done * iterations, unit="step",
+                        disable=not enabled, smoothing=0.05,
+                        bar_format="{l_bar}{bar}| {n}/{total} run-steps [{elapsed}<{remaining}] {postfix}")
+        self._postfix()
+
+    def start(self, i: int) -> None:
+        self.credited[i] = 0
+        self._postfix()
+
+    def step(self, i: int, n: int) -> None:
+        if i in self.finished:
+            return  # a step message that came after its task's result: finish() counted it
+        if i not in self.credited:
+            self.start(i)
+        self.credited[i] += n
+        self.bar.update(n)
+
+    def stepper(self, i: int) -> Callable[[int], None]:
+        return lambda n: self.step(i, n)
+
+    def finish(self, i: int) -> None:
+        """Task `i` is over (trained, failed or skipped): count all its run-steps."""
+        runs = len(self.tasks[i].runs)
+        self.bar.update(runs * self.iterations - self.credited.pop(i, 0))
+        self.finished.add(i)
+        self.runs_done += runs
+        self._postfix()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def _postfix(self) -> None:
+        now = "; ".join(self.tasks[i].label() for i in self.credited)
+        self.bar.set_postfix_str(f"{self.runs_done}/{self.total_runs} runs done" + (f", now {now}" if now else ""))
 
 
-def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settings: StudySettings, bar) -> list[dict]:
+def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settings: StudySettings,
+           on_step: Callable[[int], None]) -> list[dict[str, Any]]:
     """Train `runs` of cell (norm `name`, B=b, K=k) side by side; one row per run per evaluation."""
     device = data.train_x.device
     models = []
@@ -127,7 +287,7 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
             model.flush_weight_grads()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        bar.update(len(runs))
+        on_step(len(runs))
         if it % settings.eval_every == 0:
             acc = evaluate(model, data.valid_x, data.valid_y, len(runs)).tolist()
             loss = (loss_sum / forwards).tolist()
