@@ -119,6 +119,7 @@ def test_deferred_conv_weight_gradients_equal_per_micro_batch_ones(name):
         accumnorm.backward(model, (x.double(), y), _loss, micro_batch_size=2, bn="micro")
         model.flush_weight_grads()
         grads.append([p.grad for p in model.parameters()])
+    assert not any(g.requires_grad for g in grads[1])  # plain gradients, no graph kept alive
     scale = max(float(g.abs().max()) for g in grads[0])
     for g0, g1 in zip(*grads):
         assert float((g1 - g0).abs().max()) <= 1e-10 * max(float(g0.abs().max()), 1e-2 * scale)

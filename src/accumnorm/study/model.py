@@ -135,6 +135,7 @@ class StackedConv2d(nn.Conv2d):
             return _DeferWeightGrad.apply(x, self.weight, self.bias, self)
         return super().forward(x)
 
+    @torch.no_grad()
     def flush(self) -> None:
         """Add the weight (and bias) gradient of every pending micro-batch to .grad."""
         if not self.pending:
