@@ -215,13 +215,6 @@ class _Step:
             )
         return _check_loss(loss, k)
 
-    def plain(self) -> None:
-        """One forward/backward per micro-batch: plain accumulation (exact when nothing couples samples)."""
-        for k in range(len(self.micro_batches)):
-            loss = self._forward(k)
-            self.losses.append(loss.detach())
-            self._weighted(loss, k).backward()
-
     def exact(self, layers: list[_AccumBatchNorm]) -> list[_Call]:
         """The 2L + 1 passes of the module doc; returns the BN calls with their whole-batch statistics."""
         self.seeds = torch.randint(2**62, (len(self.micro_batches),)).tolist()
@@ -233,7 +226,7 @@ class _Step:
             calls, t = plan.calls, _split_point(len(plan.calls))
             for j in reversed(range(t, len(calls))):
                 self._sums_pass(plan, j)
-            self._full_pass(plan, t)
+            self.full_pass(plan, t)
             for j in reversed(range(t)):
                 self._finish_sums(calls[j])
                 self._correction_pass(plan, j)
@@ -242,9 +235,10 @@ class _Step:
             for layer in layers:
                 layer._accum_plan = None
 
-    def _each(self, plan: _Plan) -> Iterator[int]:
+    def _each(self, plan: _Plan | None) -> Iterator[int]:
         for k in range(len(self.micro_batches)):
-            plan.index = 0
+            if plan is not None:
+                plan.index = 0
             with _replay_rng(self.seeds[k], self.devices):
                 yield k
 
@@ -284,8 +278,10 @@ class _Step:
         call.input = None
         self._finish_sums(call)
 
-    def _full_pass(self, plan: _Plan, t: int) -> None:
-        plan.begin(plan.FULL, t)
+    def full_pass(self, plan: _Plan | None = None, t: int = 0) -> None:
+        """Forward/backward of every micro-batch into .grad; without a plan, plain accumulation."""
+        if plan is not None:
+            plan.begin(plan.FULL, t)
         for k in self._each(plan):
             loss = self._forward(k, plan)
             self.losses.append(loss.detach())
@@ -395,7 +391,7 @@ def backward(
         # One micro-batch on one process is the whole batch: plain BatchNorm is already exact.
         whole = len(micro_batches) == 1 and group.group is None
         exact = bn == "exact" and not whole and any(m.uses_batch_stats() for m in layers)
-        calls = step.exact(layers) if exact else step.plain()
+        calls = step.exact(layers) if exact else step.full_pass()
         losses = torch.stack(step.losses)
         finite = torch.isfinite(losses)
         # Under a GradScaler an overflow is expected now and then: its inf/nan gradients make the
