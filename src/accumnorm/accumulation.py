@@ -317,7 +317,7 @@ def _update_running_stats(calls: list[_Call]) -> None:
             m.running_var.mul_(1 - factor).add_(unbiased.to(m.running_var.dtype), alpha=factor)
 
 
-def _unwrap(model: nn.Module, process_group: Any) -> tuple[nn.Module, Any]:
+def unwrap_ddp(model: nn.Module, process_group: Any) -> tuple[nn.Module, Any]:
     """A DDP-wrapped model runs as its inner module: gradients are reduced here, once per step."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return model.module, process_group if process_group is not None else model.process_group
@@ -350,7 +350,7 @@ def backward(
 
     Returns the whole-batch mean loss, detached. On any error nothing is changed.
     """
-    model, process_group = _unwrap(model, process_group)
+    model, process_group = unwrap_ddp(model, process_group)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):

@@ -24,11 +24,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.distributed import ProcessGroup
 
 from . import distributed
-from .accumulation import backward
+from .accumulation import backward, unwrap_ddp
 
 try:
     from tqdm.auto import tqdm
@@ -53,10 +52,8 @@ class Trainer:
                  bn: str = "exact", scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  max_grad_norm: float | None = None, amp: str | None = None,
                  process_group: ProcessGroup | None = None):
-        if isinstance(model, DistributedDataParallel):
-            # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
-            process_group = model.process_group if process_group is None else process_group
-            model = model.module
+        # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
+        model, process_group = unwrap_ddp(model, process_group)
         if process_group is None and dist.is_initialized():
             process_group = dist.group.WORLD
         if amp not in (None, *AMP_DTYPES):
