@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
-from accumnorm import Trainer
-from accumnorm import distributed
+from accumnorm import Trainer, distributed
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")

@@ -1,7 +1,7 @@
 """Small models for the oracle tests, built with torch's norms (the oracle) and converted for accumnorm."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

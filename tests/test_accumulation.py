@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
-from conftest import ce_loss, compare, oracle_and_ours, rel_err
+from helpers import ce_loss, compare, oracle_and_ours, rel_err
 from models import MODELS, SeqNet, conv3d, data, mixed, mlp, no_bn, resnet, vgg
 
 SMOOTH = {"vgg": lambda: vgg(nn.Tanh), "resnet": lambda: resnet(nn.Tanh), "mlp": mlp, "seq": SeqNet,

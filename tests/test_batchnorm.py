@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from accumnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
-from conftest import rel_err
+from helpers import rel_err
 
 CASES = [(BatchNorm1d, nn.BatchNorm1d, (6, 5)), (BatchNorm1d, nn.BatchNorm1d, (6, 5, 7)),
          (BatchNorm2d, nn.BatchNorm2d, (6, 5, 4, 3)), (BatchNorm3d, nn.BatchNorm3d, (6, 5, 2, 3, 2))]

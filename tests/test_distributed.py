@@ -16,9 +16,8 @@ import torch
 import torch.nn as nn
 
 import accumnorm
-from accumnorm import distributed
-from accumnorm import Trainer
-from conftest import ce_loss, rel_err
+from accumnorm import Trainer, distributed
+from helpers import ce_loss, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = 2  # micro-batch 2 x 4 accumulation x 2 ranks = one batch of 16

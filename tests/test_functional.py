@@ -3,8 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from accumnorm.functional import GradSums, Moments, combine_moments, moments, normalize
-
-from conftest import rel_err
+from helpers import rel_err
 
 
 def test_moments_of_parts_combine_to_moments_of_the_whole():

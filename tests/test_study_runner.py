@@ -6,8 +6,7 @@ import urllib.error
 import pytest
 import torch
 
-from accumnorm.study import StudySettings, parse_config, run_study
-from accumnorm.study import runner
+from accumnorm.study import StudySettings, parse_config, run_study, runner
 from accumnorm.study.report import summary_cells
 from accumnorm.study.runner import data_order
 

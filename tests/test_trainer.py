@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import accumnorm
 from accumnorm import Trainer
-from conftest import ce_loss, rel_err
+from helpers import ce_loss, rel_err
 from models import vgg
 
 

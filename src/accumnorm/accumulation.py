@@ -31,8 +31,9 @@ is transactional: on any error, `.grad` and running statistics are as they were 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence, Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist

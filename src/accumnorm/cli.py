@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 # A small grid that finishes in about a minute on 2 CPU cores, offline. Digits are 8x8, so the last
 # feature map is 1x1 and torch's BatchNorm needs micro-batches of at least 2 there; 4x4 keeps K small

@@ -9,8 +9,9 @@ global batch by rank, and keep every collective under a bounded timeout.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist

@@ -61,7 +61,7 @@ class Moments:
         return torch.cat([self.count.reshape(1), self.mean, self.m2])
 
     @staticmethod
-    def unpack(flat: Tensor) -> "Moments":
+    def unpack(flat: Tensor) -> Moments:
         c = (flat.shape[-1] - 1) // 2
         return Moments(flat[..., 0], flat[..., 1 : 1 + c], flat[..., 1 + c :])
 

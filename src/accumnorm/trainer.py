@@ -19,8 +19,9 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -195,7 +196,7 @@ class Trainer:
         _set_rng(now)
         return batches
 
-    def _evaluate(self, eval_fn: Callable, metrics: "_MetricLog") -> dict[str, float]:
+    def _evaluate(self, eval_fn: Callable, metrics: _MetricLog) -> dict[str, float]:
         self.model.eval()
         with torch.no_grad():
             result = eval_fn(self.model)
@@ -294,7 +295,7 @@ class Trainer:
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             loss_fn: Callable, **kwargs: Any) -> "Trainer":
+             loss_fn: Callable, **kwargs: Any) -> Trainer:
         """A trainer resumed from ``save(path)``: micro_batch_size, bn, max_grad_norm and amp default to
         the checkpoint's; pass scheduler= and process_group= as when it was made."""
         state = torch.load(path, map_location="cpu", weights_only=True)

@@ -9,7 +9,8 @@ built before still works), same train/eval flag. `revert(model)` goes back, for 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin

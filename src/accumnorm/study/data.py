@@ -28,7 +28,7 @@ class Dataset(NamedTuple):
     def num_classes(self) -> int:
         return int(self.train_y.max()) + 1
 
-    def to(self, device: torch.device | str) -> "Dataset":
+    def to(self, device: torch.device | str) -> Dataset:
         return Dataset(*(t.to(device) for t in self))
 
 

@@ -19,7 +19,7 @@ packed this way; `stackable` says so and the runner then trains such runs one at
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

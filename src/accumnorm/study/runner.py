@@ -29,15 +29,17 @@ import multiprocessing
 import os
 import queue
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import accumnorm
+
 from . import store
 from .data import Dataset, load_dataset
 from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
@@ -124,7 +126,7 @@ def _attempt(task: Task, data: Dataset, settings: StudySettings, on_step: Callab
 
 
 def _in_process(tasks: Sequence[Task], data: Dataset, settings: StudySettings,
-                bar: "_GridProgress") -> Iterator[tuple[Task, Outcome]]:
+                bar: _GridProgress) -> Iterator[tuple[Task, Outcome]]:
     """Train the tasks here, one after the other; after a failure, the rest of that cell is skipped."""
     failed = set()
     for i, task in enumerate(tasks):
@@ -138,7 +140,7 @@ def _in_process(tasks: Sequence[Task], data: Dataset, settings: StudySettings,
 
 
 def _in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, threads: int,
-                bar: "_GridProgress") -> Iterator[tuple[Task, Outcome]]:
+                bar: _GridProgress) -> Iterator[tuple[Task, Outcome]]:
     """Train the tasks in `workers` spawned processes of `threads` threads; yield each as it finishes.
 
     The likely costliest tasks go first (bn-exact's extra passes, then more micro-batches per
