@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import distributed
-from .accumulation import backward, unwrap_ddp
+from .accumulation import backward
+from .distributed import unwrap_ddp
 
 try:
     from tqdm.auto import tqdm
