@@ -152,7 +152,7 @@ class _Lockstep:
         self.finished = threading.Semaphore(0)  # the caller waits here for the forwards
         self.arrived: list[BNCall | None] = [None] * k  # where each micro-batch stopped in this round
         self.outputs: list[Tensor | None] = [None] * k
-        self.losses: list[Tensor | None] = [None] * k
+        self.roots: list[Tensor | None] = [None] * k  # weighted losses still to back-propagate
         self.rounds = 0  # BN calls completed by all micro-batches so far
         self.error: BaseException | None = None
         self.aborted = False
@@ -174,10 +174,10 @@ class _Lockstep:
                 t.join()
         if self.error is not None:
             raise self.error
-        pending = [k for k, loss in enumerate(self.losses) if loss is not None]
-        if pending:
+        roots = [root for root in self.roots if root is not None]
+        if roots:
             # One backward over every micro-batch: the joint BN nodes need all K gradients at once.
-            torch.autograd.backward([step.weighted(self.losses[k], k) for k in pending])
+            torch.autograd.backward(roots)
 
     def _work(self, k: int) -> None:
         self.local.k = k
@@ -189,12 +189,15 @@ class _Lockstep:
             with self.caller.enter(), BatchNormCalls(self._arrive, self.step.owners):
                 loss = self.step.loss(k)
             self.step.losses[k] = loss.detach()
+            # Weighted here, not by the caller: autograd orders its backward by the creating thread's node
+            # count, and fresh worker threads count the same in every step, which keeps steps reproducible.
+            weighted = self.step.weighted(loss, k)
             if self.rounds == 0:
                 # No BatchNorm call so far, so (unless another micro-batch disagrees) there is none:
                 # this micro-batch's graph is its own, and its backward frees it now, as plain accumulation.
-                self.step.weighted(loss, k).backward()
+                weighted.backward()
             else:
-                self.losses[k] = loss
+                self.roots[k] = weighted
             self._pass_baton(k)
         except _Aborted:
             pass
