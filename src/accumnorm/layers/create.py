@@ -108,8 +108,10 @@ def _rebuild(module: nn.Module, mapping: dict[type, type], memo: dict[int, nn.Mo
         if hasattr(module, "qconfig"):
             out.qconfig = module.qconfig
     memo[id(module)] = out
-    for name, child in module.named_children():  # also carries timm's act and drop over to the new layer
-        out.add_module(name, _rebuild(child, mapping, memo))
+    # Every slot, not named_children(), which skips a module's second slot; also carries timm's act and drop over.
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            out.add_module(name, _rebuild(child, mapping, memo))
     return out
 
 

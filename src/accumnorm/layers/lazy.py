@@ -52,6 +52,18 @@ def norm_forward(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
     return method
 
 
+class _UninitializedBuffer(UninitializedBuffer):
+    """torch's UninitializedBuffer that deep-copies, as UninitializedParameter does.
+
+    NOTE: torch's lazy BatchNorm cannot be deep-copied before its first forward (its buffers raise).
+    """
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _UninitializedBuffer:
+        if id(self) not in memo:
+            memo[id(self)] = type(self)(self.requires_grad, self.device, self.dtype)
+        return memo[id(self)]
+
+
 class LazyNormMixin(LazyModuleMixin):
     """Mixin (listed first in the bases) for norms whose parameters and buffers are all (C,) vectors.
 
@@ -79,7 +91,7 @@ class LazyNormMixin(LazyModuleMixin):
         for name in (("weight", "bias") if bias else ("weight",)) if affine else ():
             setattr(self, name, UninitializedParameter(**factory_kwargs))
         for name in buffers:
-            self.register_buffer(name, UninitializedBuffer(**factory_kwargs))
+            self.register_buffer(name, _UninitializedBuffer(**factory_kwargs))
 
     def _feature_dim(self, input: Tensor) -> int:
         return 1
