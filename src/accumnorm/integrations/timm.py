@@ -65,14 +65,15 @@ class BatchNormAct2d(BatchNorm2d, _timm.BatchNormAct2d):
         if num_features is None:
             raise TypeError("BatchNormAct2d is not lazy: num_features must be a positive int, got None")
         check_num_features(num_features)
-        # timm's constructor builds the layer, act and drop included; accumnorm's lazy machinery stays off
-        # (the cooperative chain through LazyModuleMixin would register lazy hooks for nothing).
+        # timm's own constructor, called directly: its arguments are not those of accumnorm's lazy constructor,
+        # which is skipped (this layer is never lazy). It builds act and drop, then torch's BatchNorm2d.
         _timm.BatchNormAct2d.__init__(
             self, num_features, eps, momentum, affine, track_running_stats, apply_act, act_layer, act_kwargs,
             inplace, drop_layer, device, dtype,
         )
 
     def _normalize(self, input: Tensor) -> Tensor:
+        # Under bn="exact" the plan normalizes; drop and act follow it (timm's forward does both otherwise).
         plan = self._accum_plan
         if plan is not None and self.uses_batch_stats():
             return self.act(self.drop(plan.batch_norm(self, input)))

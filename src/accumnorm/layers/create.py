@@ -77,7 +77,7 @@ _TO_TORCH: dict[type, type] = {accum: torch_cls for torch_cls, accum in _TO_ACCU
 
 def _mappings() -> tuple[dict[type, type], dict[type, type]]:
     """(to accumnorm, back) for torch's layers, and for timm's where timm is in use (already imported)."""
-    if "timm" not in sys.modules:  # a model can hold timm's layers only once timm is imported: stay optional
+    if sys.modules.get("timm") is None:  # a model can hold timm's layers only once timm is imported: stay optional
         return _TO_ACCUM, _TO_TORCH
     from ..integrations import timm as timm_layers
 
