@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -46,3 +48,19 @@ def compare(ref: nn.Module, ours: nn.Module, tol: float) -> dict[str, float]:
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"{worst}: relative error {errs[worst]:.3g} > {tol}"
     return errs
+
+
+def exact_vs_whole_batch(ref: nn.Module, ours: nn.Module, batch, micro_batch_size: int, tol: float) -> dict[str, float]:
+    """One forward/backward of `ref` over the whole batch against accumnorm.backward(bn="exact") on `ours`:
+    the loss, every gradient and every buffer within `tol` (relative)."""
+    expected = ce_loss(ref, batch)
+    expected.backward()
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=micro_batch_size, bn="exact")
+    assert rel_err(loss, expected) <= tol
+    return compare(ref, ours, tol)
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a program run as a subprocess: it imports this accumnorm."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(accumnorm.__file__).parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
