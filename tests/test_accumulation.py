@@ -434,3 +434,22 @@ def test_changing_batchnorm_calls_between_micro_batches_is_refused():
             accumnorm.backward(model, data((4,), 8), ce_loss, micro_batch_size=3, schedule=schedule)
         assert all(p.grad is None for p in model.parameters())
         assert int(model.a.num_batches_tracked) == 0 and int(model.b.num_batches_tracked) == 0
+
+
+def test_auto_falls_back_to_passes_when_layerwise_runs_out_of_memory():
+    ref = vgg(nn.Tanh).double()
+    ours, batch = copy.deepcopy(ref), data((1, 16, 16), 8, torch.float64)
+    whole_batch(ref, batch)
+    calls = []
+    def loss_fn(m, b):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 3:  # the third micro-batch's forward under layerwise: the store is full
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return ce_loss(m, b)
+    with pytest.warns(RuntimeWarning, match="layerwise schedule ran out of memory .* using the passes schedule"):
+        accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2)
+    compare(ref, ours, 1e-9)
+    assert calls[0].startswith("accumnorm-micro-batch") and calls[-1] == threading.current_thread().name
+    with pytest.raises(torch.OutOfMemoryError):  # asked for by name, layerwise does not fall back
+        calls.clear()
+        accumnorm.backward(copy.deepcopy(ref), batch, loss_fn, micro_batch_size=2, schedule="layerwise")

@@ -139,14 +139,28 @@ def _pick_schedule(schedule: str, store: torch.device, model_device: torch.devic
     if schedule == "passes":
         return passes
     reason = cannot_run_reason()
-    if reason is None:
+    if reason is None and schedule == "layerwise":
         return lambda step: layerwise(step, store, model_device)
+    if reason is None:
+        return lambda step: _layerwise_or_passes(step, store, model_device)
     if schedule == "layerwise":
         raise ValueError(f"schedule='layerwise' cannot run here: {reason}; use schedule='passes' "
                          "(schedule='auto' falls back to it)")
     warnings.warn(f"accumnorm.backward: the layerwise schedule cannot run here ({reason}); using the passes "
                   "schedule, which costs 2L + 1 passes for L BatchNorm calls", RuntimeWarning, stacklevel=3)
     return passes
+
+
+def _layerwise_or_passes(step: Step, store: torch.device, model_device: torch.device) -> None:
+    """schedule="auto": layerwise, and passes (one micro-batch's memory) if the whole batch's saved tensors don't fit."""
+    try:
+        layerwise(step, store, model_device)
+    except torch.OutOfMemoryError as e:
+        step.restart()
+        warnings.warn(f"accumnorm.backward: the layerwise schedule ran out of memory ({e}); using the passes "
+                      "schedule, which holds one micro-batch at a time (store='cpu' may let layerwise fit)",
+                      RuntimeWarning, stacklevel=4)
+        passes(step)
 
 
 def _whole_batch_loss(step: Step, scaled: bool) -> Tensor:

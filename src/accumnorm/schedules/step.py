@@ -36,9 +36,21 @@ class Step:
         self.seeds: list[int | None] = [None] * len(micro_batches)
         self.cuda_devices = sorted({p.device.index for p in model.parameters() if p.device.type == "cuda"})
 
+    def restart(self) -> None:
+        """Forget what a failed schedule did, for another to run the step from the start."""
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = None  # the caller's gradients are set aside until the step succeeds
+        self.losses = [None] * len(self.micro_batches)
+        self.calls = []
+
     def draw_seeds(self) -> None:
-        """One seed per micro-batch, so that every pass over it draws the same random numbers (dropout)."""
-        self.seeds = torch.randint(2**62, (len(self.micro_batches),)).tolist()
+        """One seed per micro-batch, so that every pass over it draws the same random numbers (dropout).
+
+        Drawn once per step: a schedule that takes over after another failed replays the same numbers.
+        """
+        if self.seeds[0] is None:
+            self.seeds = torch.randint(2**62, (len(self.micro_batches),)).tolist()
 
     def loss(self, k: int) -> Tensor:
         """loss_fn on micro-batch k, checked to be a scalar tensor."""
