@@ -152,7 +152,7 @@ def _pick_schedule(schedule: str, store: torch.device, model_device: torch.devic
 
 
 def _layerwise_or_passes(step: Step, store: torch.device, model_device: torch.device) -> None:
-    """schedule="auto": layerwise, and passes (one micro-batch's memory) if the whole batch's saved tensors don't fit."""
+    """schedule="auto": layerwise, or passes (one micro-batch at a time) if the saved tensors do not fit."""
     try:
         layerwise(step, store, model_device)
     except torch.OutOfMemoryError as e:
