@@ -178,30 +178,32 @@ class _NormalizeJoint(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *dys):  # type: ignore[override]
         weight, mean, var, *xs = ctx.saved_tensors
-        invstd = torch.rsqrt(var + ctx.eps)
-        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-
-        def x_hat(x: Tensor) -> Tensor:  # recomputed rather than kept: one micro-batch's worth at a time
-            return (x.to(mean.dtype) - mean.view(_channel_shape(x))) * invstd.view(_channel_shape(x))
-
         sum_dy, sum_dy_xhat = torch.zeros_like(mean), torch.zeros_like(mean)
         for x, dy in zip(xs, dys):
-            dims, dy_acc = _reduce_dims(x), dy.to(mean.dtype)
-            sum_dy += dy_acc.sum(dims)
-            sum_dy_xhat += (dy_acc * x_hat(x)).sum(dims)
+            # torch's eval-mode BatchNorm backward gives exactly these sums as its weight and bias
+            # gradients (in the statistics' dtype), in one native call.
+            _, dw, db = torch.ops.aten.native_batch_norm_backward(
+                dy, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True])
+            sum_dy_xhat += dw
+            sum_dy += db
         # The parameter gradients are this rank's share (the step all-reduces gradients once); the
         # input gradients need the sums of every rank.
         grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[0] else None
         grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         sum_dy, sum_dy_xhat = ctx.reduce_sums(torch.cat([sum_dy, sum_dy_xhat])).chunk(2)
+        # dx = scale * (dy - (sum_dy + x_hat * sum_dy_xhat) / N), x_hat = (x - mean) * invstd, as
+        # dy * scale + (x - mean) * slope + offset, per channel.
+        invstd = torch.rsqrt(var + ctx.eps)
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+        slope, offset = -scale * invstd * sum_dy_xhat / ctx.count, -scale * sum_dy / ctx.count
         dxs = []
         for i, (x, dy) in enumerate(zip(xs, dys)):
             if not ctx.needs_input_grad[7 + i]:
                 dxs.append(None)
                 continue
             shape = _channel_shape(x)
-            dx = dy.to(mean.dtype) - (sum_dy.view(shape) + x_hat(x) * sum_dy_xhat.view(shape)) / ctx.count
-            dxs.append((dx * scale.view(shape)).to(x.dtype))
+            dx = torch.addcmul(offset.view(shape), x - mean.view(shape), slope.view(shape))
+            dxs.append(dx.addcmul_(dy, scale.view(shape)).to(x.dtype))
         return (grad_w, grad_b, None, None, None, None, None, *dxs)
 
 
