@@ -86,7 +86,9 @@ def shard(batch: Any, group: ProcessGroup | None = None) -> Any:
 def map_batch(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
     """``fn`` applied to each tensor of a batch (a tensor, or a tuple/list/dict of tensors); anything
     else is left as it is, for ``accumnorm.backward`` to refuse with a clear error."""
-    apply = lambda t: fn(t) if torch.is_tensor(t) else t
+    def apply(t: Any) -> Any:
+        return fn(t) if torch.is_tensor(t) else t
+
     if isinstance(batch, dict):
         return {k: apply(v) for k, v in batch.items()}
     if isinstance(batch, (list, tuple)):

@@ -131,7 +131,8 @@ class Trainer:
             raise ValueError("checkpoint_every needs a log directory to write checkpoint.pt into")
         if tqdm is None:
             raise ImportError("Trainer.fit shows its progress with tqdm: pip install 'accumnorm[train]'")
-        done = lambda: (steps is not None and self.step_count >= steps) or (epochs is not None and self.epoch >= epochs)
+        def done() -> bool:
+            return (steps is not None and self.step_count >= steps) or (epochs is not None and self.epoch >= epochs)
         metrics = _MetricLog(Path(log) if log is not None and self.rank == 0 else None, self.step_count)
         total = steps if steps is not None else (epochs * len(loader) if hasattr(loader, "__len__") else None)
         bar = tqdm(total=total, initial=self.step_count, unit="step", disable=self.rank != 0, dynamic_ncols=True)
@@ -224,7 +225,8 @@ class Trainer:
             "batches_per_epoch": len(loader) if hasattr(loader, "__len__") else None,
             "model": type(self.model).__name__, "parameters": sum(p.numel() for p in self.model.parameters()),
             "optimizer": type(self.optimizer).__name__,
-            "optimizer_defaults": {k: v for k, v in self.optimizer.defaults.items() if isinstance(v, (int, float, str, bool, tuple))},
+            "optimizer_defaults": {k: v for k, v in self.optimizer.defaults.items()
+                                   if isinstance(v, (int, float, str, bool, tuple))},
             "scheduler": type(self.scheduler).__name__ if self.scheduler is not None else None,
             "torch": torch.__version__,
         }
@@ -261,7 +263,8 @@ class Trainer:
         if missing or unexpected or shapes:
             raise ValueError("the checkpoint is from another model:" + "".join(
                 f"\n  {what}: {'; '.join(keys)}" for what, keys in (
-                    ("missing in checkpoint", missing), ("not in model", unexpected), ("shapes differ", shapes)) if keys))
+                    ("missing in checkpoint", missing), ("not in model", unexpected), ("shapes differ", shapes))
+                if keys))
         for name, ours in (("scheduler", self.scheduler), ("scaler", self.scaler)):
             if (state[name] is None) != (ours is None):
                 raise ValueError(f"the checkpoint {'has no' if state[name] is None else 'has a'} {name} "
