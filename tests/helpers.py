@@ -130,3 +130,28 @@ def launch_ranks(argv: Sequence[str], logs: Path, *, world_size: int = 2, wait_s
                 p.kill()
                 p.wait()
     return [(p.returncode, (logs / f"rank{r}.log").read_text()) for r, p in enumerate(procs)]
+
+
+def accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, max_grad_norm: float) -> list[float]:
+    """The training loop of an Accelerate user with an accumnorm ExactAccumulator `exact`; returns the losses."""
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        losses.append(exact.backward(batch, ce_loss).item())
+        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+    return losses
+
+
+def assert_ranks_trained_like_whole_batch(out: Path, world_size: int, oracle: nn.Module, max_grad_norm: float) -> None:
+    """Each rank's out/rank<r>.pt holds the batches it trained on and its net's final state: joined, the
+    ranks' batches make the global batches, on which `train_whole_batch` must take `oracle` (the net as
+    the ranks started it) to that same state."""
+    ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(world_size)]
+    steps = zip(*(r["batches"] for r in ranks), strict=True)
+    global_batches = [[torch.cat(parts) for parts in zip(*step, strict=True)] for step in steps]
+    _, norms = train_whole_batch(oracle, global_batches, max_grad_norm=max_grad_norm)
+    assert min(norms) > max_grad_norm  # clipping is part of what is compared
+    for got in ranks:
+        assert_state_close(got["state"], oracle.state_dict(), 1e-9)

@@ -15,7 +15,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 import accumnorm
 from accumnorm.integrations.lightning import ExactAccumulation
-from helpers import assert_state_close, launch_ranks, train_whole_batch
+from helpers import assert_ranks_trained_like_whole_batch, assert_state_close, launch_ranks, train_whole_batch
 from models import lit_classifier, tiny_bn, tiny_dataset
 
 PROGRAM = Path(__file__).parent / "programs" / "lightning_ddp.py"
@@ -141,12 +141,4 @@ def test_two_gloo_ranks_under_ddp_equal_one_process_with_the_global_batch(tmp_pa
     gradient) nor wait for a backward that never comes (a hang, bounded here by timeouts)."""
     results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=240)
     assert [rc for rc, _ in results] == [0, 0], "\n".join(log[-3000:] for _, log in results)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
-    global_batches = [[torch.cat(parts) for parts in zip(*steps)] for steps in zip(*(r["batches"] for r in ranks))]
-    assert [len(x) for x, _ in global_batches] == [8, 8, 8]
-    oracle = tiny_bn()
-    _, norms = train_whole_batch(oracle, global_batches, max_grad_norm=CLIP)
-    assert min(norms) > CLIP
-    for got in ranks:
-        assert got["steps"] == 3
-        assert_state_close(got["state"], oracle.state_dict(), 1e-9)
+    assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)
