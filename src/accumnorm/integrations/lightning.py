@@ -76,8 +76,8 @@ class ExactAccumulation:
         >>> class Model(ExactAccumulation, L.LightningModule):
         ...     def __init__(self):
         ...         super().__init__(micro_batch_size=4)
-        ...         self.net = accumnorm.convert(nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8),
-        ...                                                    nn.Flatten(), nn.LazyLinear(10)))
+        ...         self.net = accumnorm.convert(nn.Sequential(
+        ...             nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 10)))
         ...     def training_loss(self, batch):
         ...         x, y = batch
         ...         return F.cross_entropy(self.net(x), y)
@@ -92,7 +92,8 @@ class ExactAccumulation:
             raise TypeError(f"ExactAccumulation is a mixin for lightning's LightningModule, got {type(self).__name__}; "
                             f"write class {type(self).__name__}(ExactAccumulation, L.LightningModule)")
         check_options(micro_batch_size, bn)
-        self.micro_batch_size, self.bn = micro_batch_size, bn
+        # NOTE: not `self.bn`, which LightningModules often name a BatchNorm layer
+        self.micro_batch_size, self.accumnorm_bn = micro_batch_size, bn
         self._accumnorm_group: ProcessGroup | None = None
         self._accumnorm_ready = False  # set by on_fit_start's checks
         self._accumnorm_has_grad = False  # training_step made this step's gradient: backward must not be missed
@@ -110,7 +111,7 @@ class ExactAccumulation:
         # gradient is made inside training_step, so it starts from zero here and the two hooks below do nothing.
         self.zero_grad(set_to_none=True)
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # "16-mixed" only
-        loss = backward(self, batch, _micro_batch_loss, micro_batch_size=self.micro_batch_size, bn=self.bn,
+        loss = backward(self, batch, _micro_batch_loss, micro_batch_size=self.micro_batch_size, bn=self.accumnorm_bn,
                         process_group=self._accumnorm_group, grad_scaler=scaler)
         self._accumnorm_has_grad = True
         return loss
