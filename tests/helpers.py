@@ -56,6 +56,23 @@ def compare(ref: nn.Module, ours: nn.Module, tol: float) -> dict[str, float]:
     return errs
 
 
+def exact_vs_whole_batch(ref: nn.Module, ours: nn.Module, batch, micro_batch_size: int, tol: float) -> dict[str, float]:
+    """One forward/backward of `ref` over the whole batch against accumnorm.backward(bn="exact") on `ours`:
+    the loss, every gradient and every buffer within `tol` (relative)."""
+    expected = ce_loss(ref, batch)
+    expected.backward()
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=micro_batch_size, bn="exact")
+    assert rel_err(loss, expected) <= tol
+    return compare(ref, ours, tol)
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a program run as a subprocess: it imports this accumnorm, and helpers and models
+    from tests/ (for programs in tests/programs)."""
+    path = [str(Path(accumnorm.__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def sgd_halving(params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """SGD with momentum whose learning rate halves every step: the optimizer of the framework oracle tests."""
     optimizer = torch.optim.SGD(params, lr=0.2, momentum=0.9)
@@ -98,10 +115,8 @@ def free_port() -> int:
 
 
 def cpu_env(**extra: str) -> dict[str, str]:
-    """The environment of a child process: this accumnorm and tests/ importable, CPU only, one thread."""
-    path = os.pathsep.join([str(Path(accumnorm.__file__).parents[1]), str(Path(__file__).parent),
-                            os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
+    """`child_env`, on the CPU only with one thread per process, plus `extra`."""
+    return {**child_env(), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
 
 
 def launch_ranks(argv: Sequence[str], logs: Path, *, world_size: int = 2, wait_s: float = 90,

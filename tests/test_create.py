@@ -64,3 +64,52 @@ def test_convert_of_a_bare_layer_returns_a_new_layer():
 def test_revert_refuses_a_lazy_layer_before_its_first_forward():
     with pytest.raises(ValueError, match="before its lazy shape is known"):
         accumnorm.revert(accumnorm.BatchNorm2d())
+
+
+def test_norm_layer_returns_a_builder_from_the_same_registry_as_norm():
+    assert accumnorm.norm_layer("bn") is accumnorm.BatchNorm2d and accumnorm.norm_layer("none") is nn.Identity
+    for name in [n.replace("<G>", "4") for n in accumnorm.NORM_NAMES]:
+        builder = accumnorm.norm_layer(name)
+        assert callable(builder) and not isinstance(builder, nn.Module)
+        assert type(builder(8)) is type(accumnorm.norm(name, 8))
+    gn = accumnorm.norm_layer(" GN32 ")  # validated by name: no layer is built, so no channel count is needed
+    assert gn(64).num_groups == 32 and gn(64).num_channels == 64 and gn(num_groups=8).num_groups == 8
+    assert accumnorm.norm_layer("in")(8).affine and not accumnorm.norm_layer("in")(8, affine=False).affine
+
+
+@pytest.mark.parametrize("bad", ["gn0", "gn", "gn-2", "bn4d", ""])
+def test_norm_layer_refuses_bad_names_listing_the_valid_ones(bad):
+    with pytest.raises(ValueError, match=rf"unknown norm '{bad}'; valid names: bn, bn1d.*gn<G>.*none"):
+        accumnorm.norm_layer(bad)
+    with pytest.raises(TypeError, match="norm name must be a str, got type"):
+        accumnorm.norm_layer(nn.BatchNorm2d)
+
+
+class MyBatchNorm(nn.BatchNorm2d):
+    """A user's subclass with its own forward: convert leaves it alone unless asked."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_convert_leaves_subclasses_alone_unless_listed_in_types():
+    model = nn.Sequential(nn.BatchNorm2d(3), MyBatchNorm(3))
+    weight = model[1].weight
+    assert type(accumnorm.convert(model)[1]) is MyBatchNorm
+    assert type(accumnorm.convert(model, types=[MyBatchNorm])[1]) is accumnorm.BatchNorm2d
+    assert model[1].weight is weight
+    sync = nn.Sequential(type("MySync", (nn.SyncBatchNorm,), {})(3))
+    assert type(accumnorm.convert(sync, types=type(sync[0]))[0]) is accumnorm.BatchNorm  # one class is fine too
+    for bad in [nn.Conv2d, "MyBatchNorm", [MyBatchNorm, nn.GroupNorm]]:
+        with pytest.raises(TypeError, match="convert\\(types=...\\) expects subclasses of BatchNorm1d, BatchNorm2d"):
+            accumnorm.convert(nn.Sequential(MyBatchNorm(3)), types=bad)
+
+
+def test_convert_refuses_before_changing_anything_and_keeps_shared_layers_shared():
+    model = nn.Sequential(accumnorm.BatchNorm2d(3), nn.Sequential(accumnorm.BatchNorm2d()))
+    with pytest.raises(ValueError, match=r"cannot convert 1.0 \(BatchNorm2d\) before its lazy shape is known"):
+        accumnorm.revert(model)
+    assert type(model[0]) is accumnorm.BatchNorm2d  # the layer before the lazy one was not reverted
+    shared = nn.BatchNorm2d(3)
+    model = accumnorm.convert(nn.Sequential(shared, nn.ReLU(), shared))
+    assert model[0] is model[2] and type(model[0]) is accumnorm.BatchNorm2d

@@ -2,8 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import accumnorm
+from accumnorm.study import StudySettings
 from accumnorm.study.model import SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 
 R = 3
@@ -50,7 +52,8 @@ def test_stacked_outputs_and_gradients_equal_separate_runs(name):
         torch.testing.assert_close(out[:, r], m(x[:, r]), rtol=1e-4, atol=1e-5)
         F.cross_entropy(m(x[:, r]), y[:, r]).backward()
         for (pn, p), q in zip(m.named_parameters(), stacked.parameters()):
-            torch.testing.assert_close(_block(q.grad, r).reshape(p.shape), p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{pn}: {m}")
+            torch.testing.assert_close(_block(q.grad, r).reshape(p.shape), p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, pn=pn: f"{pn}: {m}")
 
 
 @pytest.mark.parametrize("name,bn", [("bn", "micro"), ("bn-exact", "exact"), ("gn4", "micro")])
@@ -79,7 +82,8 @@ def test_training_steps_with_adam_equal_separate_runs(name, bn):
     for r, m in enumerate(models):
         for (pn, p), q in zip(m.state_dict().items(), stacked.state_dict().values()):
             if p.dim():
-                torch.testing.assert_close(_block(q, r).reshape(p.shape), p, rtol=1e-6, atol=1e-6, msg=lambda m: f"{pn}: {m}")
+                torch.testing.assert_close(_block(q, r).reshape(p.shape), p, rtol=1e-6, atol=1e-6,
+                                           msg=lambda m, pn=pn: f"{pn}: {m}")
         torch.testing.assert_close(stacked(x)[:, r], m.eval()(x[:, r]), rtol=1e-6, atol=1e-6)
 
 
@@ -102,6 +106,13 @@ def test_layer_norm_is_not_stackable_and_runs_alone():
         StackedModel(models)
     x, _ = _data()
     torch.testing.assert_close(SingleRun(models[0])(x[:, :1])[:, 0], models[0](x[:, 0]))
+
+
+def test_accumnorm_norm_names_validate_by_name_not_by_a_trial_width():
+    """gn32 fits the study's widths (32..256); it was refused when checked by building it with 16 channels."""
+    assert StudySettings(norms=("gn32", "bn-exact")).norms == ("gn32", "bn-exact")
+    model = SimpleModel(norm_fn("gn32"), channels=(32, 64))
+    assert [m.num_groups for m in model.modules() if isinstance(m, nn.GroupNorm)] == [32, 32]
 
 
 def test_unknown_norm_lists_study_and_accumnorm_names():

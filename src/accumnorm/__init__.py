@@ -20,6 +20,7 @@ from .layers import (
     LayerNorm,
     convert,
     norm,
+    norm_layer,
     revert,
 )
 from .trainer import Trainer
@@ -30,5 +31,5 @@ __all__ = [
     "backward", "Trainer", "distributed",
     "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
     "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm",
-    "norm", "NORM_NAMES", "convert", "revert",
+    "norm", "norm_layer", "NORM_NAMES", "convert", "revert",
 ]

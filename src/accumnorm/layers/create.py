@@ -1,15 +1,18 @@
-"""One factory for every norm, and converters between torch's BatchNorm and accumnorm's.
+"""One registry of norms by name, and converters between torch's (and timm's) BatchNorm and accumnorm's.
 
-`norm("gn16", 64)` builds a layer by name, so a model can take its norm as a string (as timm's
-create_norm does, but an unknown name lists the valid ones instead of a bare KeyError).
+`norm_layer("gn16")` returns what builds the layer given its channel count (a class or a partial, as
+timm's get_norm_layer does), so a name validates before any channel count is known; `norm("gn16", 64)`
+builds the layer. Both read the one registry below; an unknown name lists the valid ones.
 `convert(model)` swaps torch's BatchNorm layers for accumnorm's in place, as
 `torch.nn.SyncBatchNorm.convert_sync_batchnorm` does: same Parameter and buffer objects (an optimizer
-built before still works), same train/eval flag. `revert(model)` goes back, for export.
+built before still works), same child modules, same train/eval flag. `revert(model)` goes back.
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import torch.nn as nn
@@ -18,40 +21,49 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from .batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
 
-__all__ = ["norm", "NORM_NAMES", "convert", "revert"]
+__all__ = ["norm_layer", "norm", "NORM_NAMES", "convert", "revert"]
 
-_FACTORIES: dict[str, Callable[..., nn.Module]] = {
+NormLayer = Callable[..., nn.Module]
+
+# The registry: name -> what builds the layer, called as layer(num_features, **kwargs). One line a norm.
+_NORMS: dict[str, NormLayer] = {
     "bn": BatchNorm2d,
     "bn1d": BatchNorm1d,
     "bn2d": BatchNorm2d,
     "bn3d": BatchNorm3d,
-    "in": lambda c, **kw: InstanceNorm2d(c, **{"affine": True, **kw}),
-    "in1d": lambda c, **kw: InstanceNorm1d(c, **{"affine": True, **kw}),
-    "in2d": lambda c, **kw: InstanceNorm2d(c, **{"affine": True, **kw}),
-    "in3d": lambda c, **kw: InstanceNorm3d(c, **{"affine": True, **kw}),
+    "in": partial(InstanceNorm2d, affine=True),
+    "in1d": partial(InstanceNorm1d, affine=True),
+    "in2d": partial(InstanceNorm2d, affine=True),
+    "in3d": partial(InstanceNorm3d, affine=True),
     "ln": LayerNorm,
-    "none": lambda c, **kw: nn.Identity(),
+    "none": nn.Identity,  # takes and ignores any arguments
 }
-NORM_NAMES = ("bn", "bn1d", "bn2d", "bn3d", "gn<G>", "in", "in1d", "in2d", "in3d", "ln", "none")
-_GN = re.compile(r"gn(\d+)")
+_GN = re.compile(r"gn(\d+)")  # "gn<G>": GroupNorm with G groups, e.g. "gn16"
+NORM_NAMES = tuple(sorted([*_NORMS, "gn<G>"]))
 
 
-def norm(name: str, num_features: int | None = None, **kwargs: Any) -> nn.Module:
-    """Build a norm layer by name; lazy (channels from the first input) when num_features is None.
+def norm_layer(name: str) -> NormLayer:
+    """What builds the norm `name`, given its channel count: `norm_layer("gn16")(64)` is a GroupNorm.
 
-    Names: "bn" (accumnorm.BatchNorm2d; "bn1d"/"bn3d" for other ranks), "gn<G>" (GroupNorm with G
-    groups, e.g. "gn4", "gn16"), "in" (InstanceNorm2d with affine=True; "in1d"/"in3d"), "ln"
-    (LayerNorm over the channel dim), "none" (Identity). kwargs go to the layer's constructor.
+    A drop-in `norm_layer=` for torchvision and timm models. Names (case-insensitive): "bn"
+    (accumnorm.BatchNorm2d; "bn1d"/"bn3d" for other ranks), "gn<G>" (GroupNorm with G groups, e.g.
+    "gn4", "gn16"), "in" (InstanceNorm2d with affine=True; "in1d"/"in3d"), "ln" (LayerNorm over the
+    channel dim), "none" (Identity). Channels None makes the layer lazy.
     """
     if not isinstance(name, str):
         raise TypeError(f"norm name must be a str, got {type(name).__name__} {name!r}")
     key = name.strip().lower()
     gn = _GN.fullmatch(key)
-    if gn:
-        return GroupNorm(num_features, int(gn.group(1)), **kwargs)
-    if key not in _FACTORIES:
-        raise ValueError(f"unknown norm {name!r}; valid names: {', '.join(NORM_NAMES)} (e.g. gn4, gn16)")
-    return _FACTORIES[key](num_features, **kwargs)
+    if gn and int(gn.group(1)) >= 1:
+        return partial(GroupNorm, num_groups=int(gn.group(1)))
+    if key not in _NORMS:
+        raise ValueError(f"unknown norm {name!r}; valid names: {', '.join(NORM_NAMES)} (G >= 1: gn4, gn16...)")
+    return _NORMS[key]
+
+
+def norm(name: str, num_features: int | None = None, **kwargs: Any) -> nn.Module:
+    """Build the norm `name` (see `norm_layer`), lazy when num_features is None; kwargs go to its constructor."""
+    return norm_layer(name)(num_features, **kwargs)
 
 
 _TO_ACCUM: dict[type, type] = {
@@ -63,13 +75,30 @@ _TO_ACCUM: dict[type, type] = {
 _TO_TORCH: dict[type, type] = {accum: torch_cls for torch_cls, accum in _TO_ACCUM.items()}
 
 
+def _mappings() -> tuple[dict[type, type], dict[type, type]]:
+    """(to accumnorm, back) for torch's layers, and for timm's where timm is in use (already imported)."""
+    if sys.modules.get("timm") is None:  # a model can hold timm's layers only once timm is imported: stay optional
+        return _TO_ACCUM, _TO_TORCH
+    from ..integrations import timm as timm_layers
+
+    return {**timm_layers.TO_ACCUM, **_TO_ACCUM}, {**timm_layers.TO_TIMM, **_TO_TORCH}
+
+
 def _swap(module: nn.Module, mapping: dict[type, type]) -> nn.Module:
-    """Rebuild every module whose exact type is in `mapping` around the same tensors, recursively."""
+    """Check every module to swap, then rebuild each around the same tensors and children, in place."""
+    for name, m in module.named_modules():
+        if type(m) in mapping and isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
+            raise ValueError(f"cannot convert {name or 'the model'} ({m._get_name()}) before its lazy shape is known; "
+                             "run one forward first")
+    return _rebuild(module, mapping, {})
+
+
+def _rebuild(module: nn.Module, mapping: dict[type, type], memo: dict[int, nn.Module]) -> nn.Module:
+    if id(module) in memo:  # a layer used at two places stays one layer
+        return memo[id(module)]
     out = module
     cls = mapping.get(type(module))
     if cls is not None:
-        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
-            raise ValueError(f"cannot convert {module._get_name()} before its lazy shape is known; run one forward first")
         out = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
         # The very same Parameter and buffer objects: optimizers and hooks that hold them stay valid.
         out.weight, out.bias = module.weight, module.bias
@@ -78,20 +107,35 @@ def _swap(module: nn.Module, mapping: dict[type, type]) -> nn.Module:
         out.train(module.training)
         if hasattr(module, "qconfig"):
             out.qconfig = module.qconfig
-    for name, child in module.named_children():
-        out.add_module(name, _swap(child, mapping))
+    memo[id(module)] = out
+    # Every slot, not named_children(), which skips a module's second slot; also carries timm's act and drop over.
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            out.add_module(name, _rebuild(child, mapping, memo))
     return out
 
 
-def convert(module: nn.Module) -> nn.Module:
-    """Swap torch BatchNorm1d/2d/3d and SyncBatchNorm (exact types, not subclasses) for accumnorm's.
+def convert(module: nn.Module, types: type | Iterable[type] = ()) -> nn.Module:
+    """Swap torch's BatchNorm1d/2d/3d and SyncBatchNorm, and timm's BatchNormAct2d family, for accumnorm's.
 
-    Returns the converted module (a new object if `module` itself is a BatchNorm), like
-    `torch.nn.SyncBatchNorm.convert_sync_batchnorm`.
+    Only those exact types: a subclass of them (say, your own BatchNorm with its own forward) is left
+    alone unless listed in `types` (a class or several); a listed class becomes accumnorm's layer of
+    its nearest torch (or timm) base, without the subclass's own code, and `revert` gives that base.
+    Returns the converted module (a new object if `module` itself is converted), like
+    `torch.nn.SyncBatchNorm.convert_sync_batchnorm`. On error nothing is changed.
     """
-    return _swap(module, _TO_ACCUM)
+    to_accum, _ = _mappings()
+    extra = {}
+    for cls in (types,) if isinstance(types, type) else types:
+        base = next((b for b in cls.__mro__ if b in to_accum), None) if isinstance(cls, type) else None
+        if base is None:
+            names = ", ".join(sorted(c.__name__ for c in to_accum))
+            raise TypeError(f"convert(types=...) expects subclasses of {names}, got {cls!r}")
+        extra[cls] = to_accum[base]
+    return _swap(module, {**extra, **to_accum})
 
 
 def revert(module: nn.Module) -> nn.Module:
-    """Turn accumnorm's BatchNorm layers back into torch's (accumnorm.BatchNorm becomes SyncBatchNorm)."""
-    return _swap(module, _TO_TORCH)
+    """Turn accumnorm's BatchNorm layers back into torch's (accumnorm.BatchNorm becomes SyncBatchNorm, and
+    accumnorm's timm BatchNormAct2d timm's), e.g. for tools that match torch's exact BatchNorm types."""
+    return _swap(module, _mappings()[1])

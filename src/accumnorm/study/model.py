@@ -51,18 +51,17 @@ def norm_fn(name: str) -> NormFn | None:
 
     The study's names (bn, gn4, gn16, in, none) keep the study's torch modules so that its
     numbers are reproduced; `bn-exact` is accumnorm's BatchNorm; any other name goes to
-    `accumnorm.norm`, which raises a ValueError listing the valid names.
+    `accumnorm.norm_layer`, which validates the name without building a layer.
     """
     if name in STUDY_NORMS:
         return STUDY_NORMS[name]
     if name == EXACT_BN:
         return accumnorm.BatchNorm2d
     try:
-        accumnorm.norm(name, 16)  # fail now, not mid-grid
+        return accumnorm.norm_layer(name)
     except (ValueError, TypeError) as err:
         raise ValueError(f"unknown norm {name!r}: expected one of the study's {', '.join([*STUDY_NORMS, EXACT_BN])} "
                          f"or an accumnorm.norm name ({err})") from err
-    return lambda c: accumnorm.norm(name, c)
 
 
 class SimpleModel(nn.Module):
@@ -162,7 +161,8 @@ class StackedModel(nn.Module):
         if not all(stackable(m) for m in models):
             raise ValueError("these models mix channels (e.g. a channels-first LayerNorm) and cannot be stacked")
         self.runs = len(models)
-        self.features = nn.Sequential(*(_stack([m.features[i] for m in models]) for i in range(len(models[0].features))))
+        depth = len(models[0].features)
+        self.features = nn.Sequential(*(_stack([m.features[i] for m in models]) for i in range(depth)))
         self.dense = _stack([m.dense for m in models])
         for conv in self.modules():
             if isinstance(conv, StackedConv2d):

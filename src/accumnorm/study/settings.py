@@ -6,7 +6,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .model import norm_fn
+import torch
+
+from .model import SimpleModel, norm_fn
 
 _CONFIG = re.compile(r"(\d+)x(\d+)")
 
@@ -39,11 +41,18 @@ class StudySettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if not self.norms or not self.configs:
-            raise ValueError(f"need at least one norm and one config, got norms={self.norms!r} configs={self.configs!r}")
+            raise ValueError(
+                f"need at least one norm and one config, got norms={self.norms!r} configs={self.configs!r}"
+            )
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         for name in self.norms:
-            norm_fn(name)  # unknown names fail here, before any file is written
+            build = norm_fn(name)  # unknown names fail here, before any file is written
+            try:  # and so does a norm that cannot fit the study's widths (gn3); built on meta: no memory
+                with torch.device("meta"):
+                    SimpleModel(build)
+            except ValueError as err:
+                raise ValueError(f"norm {name!r} does not fit the study's network: {err}") from err
         # Canonical spellings, so that ' 4x4' and '4x4' are the same settings on disk.
         object.__setattr__(self, "configs", tuple("{}x{}".format(*parse_config(c)) for c in self.configs))
         object.__setattr__(self, "norms", tuple(self.norms))
