@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-import accumnorm
 from accumnorm.integrations.accelerate import ExactAccumulator
 from accumnorm.study.data import load_dataset
 from accumnorm.study.model import SimpleModel
@@ -37,17 +36,19 @@ accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=arg
 data = load_dataset("mnist", args.data)
 train = torch.utils.data.TensorDataset(data.train_x, data.train_y)
 val = torch.utils.data.TensorDataset(data.valid_x[:args.val_samples], data.valid_y[:args.val_samples])
-model = accumnorm.convert(SimpleModel(torch.nn.BatchNorm2d, channels=(16, 32, 64)))
+model = SimpleModel(torch.nn.BatchNorm2d, channels=(16, 32, 64))  # torch's BatchNorm, as it is
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 model, optimizer, train_loader, val_loader = accelerator.prepare(
     model, optimizer, torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True),
     torch.utils.data.DataLoader(val, batch_size=500))
-exact = ExactAccumulator(accelerator, model, optimizer, micro_batch_size=args.micro_batch_size)  # changed: +
 
 
 def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
+
+
+exact = ExactAccumulator(accelerator, model, optimizer, loss_fn, micro_batch_size=args.micro_batch_size)  # changed: +
 
 
 def batches():
@@ -58,7 +59,7 @@ def batches():
 model.train()
 for step, batch in zip(range(1, args.steps + 1), batches()):
     optimizer.zero_grad()
-    loss = exact.backward(batch, loss_fn)  # changed: was accelerator.backward(loss_fn(model, batch))
+    loss = exact.backward(batch)  # changed: was accelerator.backward(loss_fn(model, batch))
     accelerator.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     if step % 10 == 0 or step == args.steps:

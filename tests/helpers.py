@@ -152,7 +152,7 @@ def accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, m
     losses = []
     for batch in batches:
         optimizer.zero_grad()
-        losses.append(exact.backward(batch, ce_loss).item())
+        losses.append(exact.backward(batch).item())
         accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         scheduler.step()

@@ -143,8 +143,8 @@ def lit_classifier() -> type:
     from accumnorm.integrations.lightning import ExactAccumulation
 
     class LitClassifier(ExactAccumulation, pl.LightningModule):
-        def __init__(self, net: nn.Module, *, micro_batch_size: int, bn: str = "exact") -> None:
-            super().__init__(micro_batch_size=micro_batch_size, bn=bn)
+        def __init__(self, net: nn.Module, **options) -> None:
+            super().__init__(**options)
             self.net = net
 
         def training_loss(self, batch):

@@ -20,6 +20,7 @@ from helpers import (
     accelerate_steps,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
+    ce_loss,
     launch_ranks,
     sgd_halving,
     train_whole_batch,
@@ -43,15 +44,16 @@ def prepared(accelerator: Accelerator, net: nn.Module, data, micro_batch_size: i
     optimizer, scheduler = sgd_halving(net.parameters())
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     model, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
-    return ExactAccumulator(accelerator, model, optimizer, micro_batch_size=micro_batch_size), model, optimizer, \
-        scheduler, list(loader)
+    exact = ExactAccumulator(accelerator, model, optimizer, ce_loss, micro_batch_size=micro_batch_size)
+    return exact, model, optimizer, scheduler, list(loader)
 
 
 @pytest.mark.slow
 def test_loop_equals_whole_batch_training_and_resumes_from_save_state(tmp_path):
-    """3 steps over batches of 8 as micro-batches 3 + 3 + 2, float64, clipped with clip_grad_norm_, the LR
-    halved every step: parameters, running statistics and losses are whole-batch PyTorch's; the state saved
-    after step 2 by save_state, loaded into fresh objects, gives the same step 3."""
+    """3 steps over batches of 8 as micro-batches 3 + 3 + 2, float64, clipped with clip_grad_norm_, the LR halved every
+    step, accumnorm's BatchNorm (the two-process test keeps torch's): parameters, running statistics and losses are
+    whole-batch PyTorch's; the state saved after step 2 by save_state, loaded into fresh objects, gives the same
+    step 3."""
     data = tiny_dataset(16)
     accelerator = Accelerator(cpu=True)
     net = accumnorm.convert(tiny_bn())
@@ -105,41 +107,46 @@ def _set_up(accelerator: Accelerator, optimizer: str) -> tuple:
     return model, (opt if optimizer == "unprepared" else prepared_opt)
 
 
-MISUSES = {  # name: (Accelerator arguments, which optimizer, ExactAccumulator arguments, words of the error)
-    "gradient_accumulation_steps": (dict(gradient_accumulation_steps=4), "prepared", {},
+MISUSES = {  # name: (Accelerator arguments, which optimizer, ExactAccumulator arguments, the error, its words)
+    "gradient_accumulation_steps": (dict(gradient_accumulation_steps=4), "prepared", {}, ValueError,
                                     "Accelerator(gradient_accumulation_steps=4) accumulates with each batch's own"),
-    "unprepared optimizer": ({}, "unprepared", {}, "the optimizer (SGD) did not go through accelerator.prepare"),
-    "foreign optimizer": ({}, "foreign", {}, "steps 2 tensors, 2 of them not parameters of Sequential"),
-    "micro_batch_size": ({}, "prepared", dict(micro_batch_size=0), "micro_batch_size must be >= 1, got 0"),
-    "bn": ({}, "prepared", dict(bn="exactly"), "bn must be one of ('exact', 'micro'), got 'exactly'"),
+    "unprepared optimizer": ({}, "unprepared", {}, ValueError,
+                             "the optimizer (SGD) did not go through accelerator.prepare"),
+    "foreign optimizer": ({}, "foreign", {}, ValueError, "steps 2 tensors, 2 of them not parameters of Sequential"),
+    "micro_batch_size": ({}, "prepared", dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
+    "bn": ({}, "prepared", dict(bn="exactly"), ValueError, "bn must be one of ('exact', 'micro'), got 'exactly'"),
+    "schedule": ({}, "prepared", dict(schedule="fast"), ValueError, "schedule must be one of ('auto', 'layerwise'"),
+    "store": ({}, "prepared", dict(store=3), TypeError, "store must be None, 'cpu' or a torch.device, got int 3"),
+    "loss_fn": ({}, "prepared", dict(loss_fn="ce"), TypeError, "loss_fn must be callable as loss_fn(model, micro_b"),
 }
 
 
 @pytest.mark.parametrize("misuse", MISUSES)
 def test_misuse_raises_at_set_up(misuse):
-    accelerator_args, optimizer, args, message = MISUSES[misuse]
+    accelerator_args, optimizer, args, error, message = MISUSES[misuse]
     accelerator = Accelerator(cpu=True, **accelerator_args)
     model, opt = _set_up(accelerator, optimizer)
-    with pytest.raises(ValueError, match=re.escape(message)):
-        ExactAccumulator(accelerator, model, opt, **{"micro_batch_size": 3, **args})
+    with pytest.raises(error, match=re.escape(message)):
+        ExactAccumulator(accelerator, model, opt, **{"loss_fn": ce_loss, "micro_batch_size": 3, **args})
 
 
 def test_a_batch_that_cannot_be_split_changes_nothing():
     accelerator = Accelerator(cpu=True)
     model, opt = _set_up(accelerator, "prepared")
-    exact = ExactAccumulator(accelerator, model, opt, micro_batch_size=3)
+    exact = ExactAccumulator(accelerator, model, opt, ce_loss, micro_batch_size=3)
     x, y = tiny_dataset(8, torch.float32)[:]
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=re.escape("batch tensors must share dimension 0, got lengths")):
-        exact.backward((x, y[:5]), lambda model, batch: model(batch[0]).sum())
+        exact.backward((x, y[:5]))
     assert all(p.grad is None for p in model.parameters())
     assert_state_close(model.state_dict(), before, 0.0)
 
 
 @pytest.mark.slow
 def test_two_cpu_processes_equal_one_process_with_the_global_batch(tmp_path):
-    """2 processes x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64,
-    clipped: the DDP wrapper that prepare makes must not reduce a second time nor wait for its own backward."""
+    """2 processes x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64, clipped,
+    torch's BatchNorm unconverted: the DDP wrapper that prepare makes must not reduce a second time nor wait for its
+    own backward."""
     results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=240)
     assert [rc for rc, _ in results] == [0, 0], "\n".join(log[-3000:] for _, log in results)
     assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)

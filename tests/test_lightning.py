@@ -36,9 +36,9 @@ def batches(dataset, size: int, steps: int) -> list:
 
 @pytest.mark.slow
 def test_trainer_equals_whole_batch_training_and_resumes_from_its_checkpoint(tmp_path):
-    """3 steps over batches of 8 as micro-batches 3 + 3 + 2, float64, clipped, the LR halved by a per-step
-    schedule, logged and checkpointed: parameters, running statistics and logged losses are whole-batch
-    PyTorch's; resuming the step-2 checkpoint gives the same step 3."""
+    """3 steps over batches of 8 as micro-batches 3 + 3 + 2, float64, clipped, the LR halved by a per-step schedule,
+    logged and checkpointed, accumnorm's BatchNorm (the two-rank test keeps torch's): parameters, running statistics
+    and logged losses are whole-batch PyTorch's; resuming the step-2 checkpoint gives the same step 3."""
     data = tiny_dataset(16)  # 2 batches an epoch: step 3 is the first batch of epoch 2
     loader = torch.utils.data.DataLoader(data, batch_size=8)
     model = lit_classifier()(accumnorm.convert(tiny_bn()), micro_batch_size=3)
@@ -100,7 +100,6 @@ MISUSES = {
                          "must implement training_loss(self, batch)"),
     "training_step skips super": (dict(training_step=lambda self, batch, batch_idx: self.training_loss(batch)), {},
                                   None, RuntimeError, "return super().training_step(batch, batch_idx)"),
-    "sync batchnorm": ({}, {}, "syncbn", ValueError, "remove Trainer(sync_batchnorm=True)"),
     "unsplittable batch": ({}, {}, "names", TypeError, "batch[2] must be a Tensor, got tuple"),
 }
 
@@ -112,8 +111,6 @@ def test_misuse_raises_before_any_step(misuse):
     skips the mixin's, at the first backward (Lightning's call that the mixin owns), before the step."""
     attributes, kwargs, change, error, message = MISUSES[misuse]
     net = accumnorm.convert(tiny_bn(torch.float32))
-    if change == "syncbn":
-        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     before = copy.deepcopy(net.state_dict())
     data = tiny_dataset(8, torch.float32)
     if change == "names":  # a list of strings in each batch: nothing accumnorm can cut into micro-batches
@@ -126,19 +123,22 @@ def test_misuse_raises_before_any_step(misuse):
     assert_state_close({k: net.state_dict()[k] for k in before}, before, 0.0)
 
 
-def test_bad_arguments_fail_when_the_module_is_made():
-    cls = lit_classifier()
-    with pytest.raises(ValueError, match="micro_batch_size must be >= 1, got 0"):
-        cls(tiny_bn(), micro_batch_size=0)
-    with pytest.raises(ValueError, match=r"bn must be one of \('exact', 'micro'\), got 'exactly'"):
-        cls(tiny_bn(), micro_batch_size=2, bn="exactly")
+@pytest.mark.parametrize("options, error, message", [
+    (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
+    (dict(micro_batch_size=2, bn="exactly"), ValueError, "bn must be one of ('exact', 'micro'), got 'exactly'"),
+    (dict(micro_batch_size=2, schedule="fast"), ValueError, "schedule must be one of ('auto', 'layerwise', 'passes')"),
+    (dict(micro_batch_size=2, store=3), TypeError, "store must be None, 'cpu' or a torch.device, got int 3"),
+])
+def test_bad_arguments_fail_when_the_module_is_made(options, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        lit_classifier()(tiny_bn(), **options)
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_under_ddp_equal_one_process_with_the_global_batch(tmp_path):
-    """2 ranks x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64,
-    clipped: DDP's own gradient reduction must not add to accumnorm's (a second average halves the
-    gradient) nor wait for a backward that never comes (a hang, bounded here by timeouts)."""
+    """2 ranks x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64, clipped, torch's
+    BatchNorm unconverted and the passes schedule: DDP's own gradient reduction must not add to accumnorm's (a
+    second average halves the gradient) nor wait for a backward that never comes (a hang, bounded here by timeouts)."""
     results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=240)
     assert [rc for rc, _ in results] == [0, 0], "\n".join(log[-3000:] for _, log in results)
     assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)

@@ -3,8 +3,8 @@
     accelerate launch --cpu --num_processes 2 tests/programs/accelerate_ddp.py OUT CLIP
 
 3 optimizer steps over global batches of 8, split 4 + 4 over the processes, each process's 4 as
-micro-batches 3 + 1, in float64, the gradient clipped to norm CLIP. The batches this process was
-given and the final state of the net go to OUT/rank<process index>.pt.
+micro-batches 3 + 1, in float64, the gradient clipped to norm CLIP; torch's BatchNorm layers as they are.
+The batches this process was given and the final state of the net go to OUT/rank<process index>.pt.
 """
 import sys
 from datetime import timedelta
@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 
-import accumnorm
 from accumnorm.integrations.accelerate import ExactAccumulator
-from helpers import accelerate_steps, sgd_halving
+from helpers import accelerate_steps, ce_loss, sgd_halving
 from models import tiny_bn, tiny_dataset
 
 
@@ -23,13 +22,13 @@ def main(out: Path, clip: float) -> None:
     # split_batches: the loader's batches are global ones, cut in contiguous parts (and the scheduler steps once)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True),
                               kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=30))])
-    net = accumnorm.convert(tiny_bn())
+    net = tiny_bn()
     optimizer, scheduler = sgd_halving(net.parameters())
     loader = torch.utils.data.DataLoader(tiny_dataset(24), batch_size=8)
     model, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)
     batches = list(loader)
-    exact = ExactAccumulator(accelerator, model, optimizer, micro_batch_size=3)
+    exact = ExactAccumulator(accelerator, model, optimizer, ce_loss, micro_batch_size=3)
     accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, clip)
     torch.save({"state": net.state_dict(), "batches": batches}, out / f"rank{accelerator.process_index}.pt")
 

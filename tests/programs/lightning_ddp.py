@@ -3,7 +3,8 @@
     python tests/programs/lightning_ddp.py OUT CLIP
 
 3 optimizer steps of micro-batches 3 + 1 of this rank's 4 samples out of each global batch of 8,
-in float64, the gradient clipped to norm CLIP. The batches this rank was given (Lightning's own
+in float64, the gradient clipped to norm CLIP; torch's BatchNorm layers as they are, and the passes
+schedule (the one-process test runs the default, layerwise). The batches this rank was given (Lightning's own
 DistributedSampler shuffles) and the final state of the net go to OUT/rank<rank>.pt.
 """
 import sys
@@ -14,7 +15,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-import accumnorm
 from models import lit_classifier, tiny_bn, tiny_dataset
 
 
@@ -30,7 +30,7 @@ class Batches(pl.Callback):
 
 def main(out: Path, clip: float) -> None:
     loader = torch.utils.data.DataLoader(tiny_dataset(24), batch_size=4)
-    model = lit_classifier()(accumnorm.convert(tiny_bn()), micro_batch_size=3)
+    model = lit_classifier()(tiny_bn(), micro_batch_size=3, schedule="passes")
     strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=30))  # a lost rank fails, not hangs
     run = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=3,
                      gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,

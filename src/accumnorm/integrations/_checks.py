@@ -6,20 +6,19 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from ..accumulation import BN_MODES
+from ..accumulation import LossFn, _check_args
+from ..schedules import resolve_store
 
-__all__ = ["check_options", "check_optimizer"]
+__all__ = ["backward_options", "check_optimizer"]
 
 
-def check_options(micro_batch_size: Any, bn: Any) -> None:
-    """The arguments that every step passes to `accumnorm.backward`, checked as it checks them, but once, at
-    set-up: a wrong one fails before the framework starts rather than at the first step."""
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
-        raise TypeError(f"micro_batch_size must be an int, got {type(micro_batch_size).__name__} {micro_batch_size!r}")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if bn not in BN_MODES:
-        raise ValueError(f"bn must be one of {BN_MODES}, got {bn!r}")
+def backward_options(model: nn.Module, loss_fn: LossFn, *, micro_batch_size: Any, bn: Any, schedule: Any,
+                     store: Any) -> dict[str, Any]:
+    """The keyword arguments every step passes to `accumnorm.backward`, checked as it checks them but once, at
+    set-up: a wrong one fails before the framework starts instead of at the first step."""
+    _check_args(model, loss_fn, micro_batch_size, bn, schedule)
+    resolve_store(store)
+    return dict(micro_batch_size=micro_batch_size, bn=bn, schedule=schedule, store=store)
 
 
 def check_optimizer(optimizer: Optimizer, model: nn.Module, hint: str) -> None:

@@ -2,11 +2,11 @@
 
     from accumnorm.integrations.accelerate import ExactAccumulator
 
-    model, optimizer, loader = accelerator.prepare(accumnorm.convert(model), optimizer, loader)
-    exact = ExactAccumulator(accelerator, model, optimizer, micro_batch_size=8)   # checks the set-up
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    exact = ExactAccumulator(accelerator, model, optimizer, loss_fn, micro_batch_size=8)   # checks the set-up
     for batch in loader:                                   # the batch of one optimizer step (per process)
         optimizer.zero_grad()
-        loss = exact.backward(batch, loss_fn)              # was: accelerator.backward(loss_fn(model, batch))
+        loss = exact.backward(batch)                       # was: accelerator.backward(loss_fn(model, batch))
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
@@ -22,16 +22,18 @@ model only under `torch.no_grad()`, e.g. to evaluate).
 
 `ExactAccumulator(...)` refuses, before any step and saying what to change, what would train wrongly:
 `Accelerator(gradient_accumulation_steps=...)` (plain accumulation), an optimizer that `prepare` has
-not seen or that steps other tensors, and set-ups other than one process or DDP (FSDP, DeepSpeed).
+not seen or that steps other tensors, set-ups other than one process or DDP (FSDP, DeepSpeed), and
+arguments that `accumnorm.backward` would refuse.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..accumulation import Batch, LossFn, backward
 from ..distributed import map_batch
-from ._checks import check_optimizer, check_options
+from ._checks import backward_options, check_optimizer
 
 try:
     from accelerate import Accelerator
@@ -51,10 +53,12 @@ class ExactAccumulator:
         accelerator: the Accelerator that prepared `model` and `optimizer`.
         model: the model as `accelerator.prepare` returned it (DDP-wrapped on several processes).
         optimizer: the optimizer as `accelerator.prepare` returned it, stepping the model's parameters.
+        loss_fn: `loss_fn(model, micro_batch)` returns the mean loss of a micro-batch.
         micro_batch_size: samples per micro-batch; the batch given to `backward` (per process) is the
             batch of one optimizer step, and its last micro-batch may be smaller.
-        bn: "exact" (accumnorm's BatchNorm layers see the whole batch, across processes) or "micro"
+        bn: "exact" (every BatchNorm call sees the whole batch, across processes) or "micro"
             (per-micro-batch statistics: plain accumulation, the baseline).
+        schedule, store: how exact mode runs, as for `accumnorm.backward`.
 
     Shape:
         - batch: a Tensor or a tuple/list/dict of Tensors sharing dim 0 (the samples), as
@@ -63,18 +67,21 @@ class ExactAccumulator:
     Examples::
 
         >>> accelerator = Accelerator(mixed_precision="bf16")
-        >>> model, optimizer, loader = accelerator.prepare(accumnorm.convert(model), optimizer, loader)
-        >>> exact = ExactAccumulator(accelerator, model, optimizer, micro_batch_size=8)
-        >>> for x, y in loader:
+        >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        >>> loss_fn = lambda model, batch: F.cross_entropy(model(batch[0]), batch[1])
+        >>> exact = ExactAccumulator(accelerator, model, optimizer, loss_fn, micro_batch_size=8)
+        >>> for batch in loader:
         ...     optimizer.zero_grad()
-        ...     loss = exact.backward((x, y), lambda model, b: F.cross_entropy(model(b[0]), b[1]))
+        ...     loss = exact.backward(batch)
         ...     accelerator.clip_grad_norm_(model.parameters(), 1.0)
         ...     optimizer.step()
     """
 
-    def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: AcceleratedOptimizer, *,
-                 micro_batch_size: int, bn: str = "exact") -> None:
-        check_options(micro_batch_size, bn)
+    def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: AcceleratedOptimizer, loss_fn: LossFn,
+                 *, micro_batch_size: int, bn: str = "exact", schedule: str = "auto",
+                 store: str | torch.device | None = None) -> None:
+        self.options = backward_options(model, loss_fn, micro_batch_size=micro_batch_size, bn=bn, schedule=schedule,
+                                        store=store)
         steps = accelerator.gradient_accumulation_steps
         if steps != 1:
             raise ValueError(
@@ -91,16 +98,14 @@ class ExactAccumulator:
                              "accelerator.prepare returned")
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         check_optimizer(optimizer.optimizer, inner, "prepare an optimizer over model.parameters()")
-        self.accelerator, self.model, self.micro_batch_size, self.bn = accelerator, model, micro_batch_size, bn
+        self.accelerator, self.model, self.loss_fn = accelerator, model, loss_fn
 
-    def backward(self, batch: Batch, loss_fn: LossFn) -> Tensor:
+    def backward(self, batch: Batch) -> Tensor:
         """Add the gradient of the mean loss over `batch` (this process's share) to `.grad`; return that
-        loss over the whole (global) batch, detached. `loss_fn(model, micro_batch)` returns the mean loss of
-        a micro-batch; on any error nothing is changed."""
+        loss over the whole (global) batch, detached. On any error nothing is changed."""
         batch = map_batch(lambda t: t.to(self.accelerator.device), batch)
         # A DDP model is unwrapped by accumnorm.backward, which then reduces over its process group.
-        return backward(self.model, batch, loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
-                        grad_scaler=self.accelerator.scaler)
+        return backward(self.model, batch, self.loss_fn, grad_scaler=self.accelerator.scaler, **self.options)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(micro_batch_size={self.micro_batch_size}, bn={self.bn!r})"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"

@@ -1,12 +1,11 @@
 """Exact BatchNorm under gradient accumulation in Lightning: a mixin for an existing LightningModule.
 
-    import accumnorm
     from accumnorm.integrations.lightning import ExactAccumulation
 
     class Model(ExactAccumulation, L.LightningModule):    # 1. the mixin, before LightningModule
         def __init__(self):
             super().__init__(micro_batch_size=8)           # 2. samples per micro-batch
-            self.net = accumnorm.convert(make_net())
+            self.net = make_net()                          # torch's BatchNorm layers, as they are
 
         def training_loss(self, batch):                    # 3. was training_step: the mean loss of a micro-batch
             x, y = batch
@@ -23,12 +22,14 @@ unchanged: precision plugins (autocast; under "16-mixed" its GradScaler scales t
 gradient before clipping and skips a step that overflows), `Trainer(gradient_clip_val=...)`, the
 optimizer step, learning-rate schedulers, checkpoints and loggers. To log the loss, override
 `training_step`: `loss = super().training_step(batch, batch_idx); self.log("train_loss", loss)`.
-`training_loss` runs several times per micro-batch in exact mode: log nothing from it.
+In exact mode `training_loss` may run in a worker thread (the layerwise schedule) or more than once
+per micro-batch (passes): log nothing from it.
 
 Set-up (`on_fit_start`, before the sanity check and any step) refuses what would make the result
 wrong or silently untrained, each time saying what to change: `Trainer(accumulate_grad_batches=...)`,
-`Trainer(sync_batchnorm=True)`, manual optimization, an optimizer that does not step this module's
-parameters, a strategy other than one device or DDP, and overrides of the hooks the mixin owns.
+manual optimization, an optimizer that does not step this module's parameters, a strategy other than
+one device or DDP, and overrides of the hooks the mixin owns (the mixin's own arguments are checked
+when the module is made).
 A batch is checked when it arrives, before anything changes (`accumnorm.backward` validates it).
 """
 from __future__ import annotations
@@ -36,12 +37,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from ..accumulation import backward
-from ._checks import check_optimizer, check_options
+from ._checks import backward_options, check_optimizer
 
 try:
     import lightning.pytorch as pl
@@ -61,8 +62,9 @@ class ExactAccumulation:
     Args:
         micro_batch_size: samples per micro-batch; the DataLoader's batch (per rank under DDP) is the
             batch of one optimizer step, and its last micro-batch may be smaller.
-        bn: "exact" (accumnorm's BatchNorm layers see the whole batch, across ranks under DDP) or
-            "micro" (per-micro-batch statistics: plain accumulation, the baseline).
+        bn: "exact" (every BatchNorm call sees the whole batch, across ranks under DDP) or "micro"
+            (per-micro-batch statistics: plain accumulation, the baseline).
+        schedule, store: how exact mode runs, as for `accumnorm.backward`.
 
     Subclasses implement `training_loss(batch)`, the mean loss over a micro-batch (what their
     `training_step` used to compute), and put the mixin before LightningModule in their bases.
@@ -76,8 +78,8 @@ class ExactAccumulation:
         >>> class Model(ExactAccumulation, L.LightningModule):
         ...     def __init__(self):
         ...         super().__init__(micro_batch_size=4)
-        ...         self.net = accumnorm.convert(nn.Sequential(
-        ...             nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 10)))
+        ...         self.net = nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+        ...                                  nn.Linear(8 * 26 * 26, 10))
         ...     def training_loss(self, batch):
         ...         x, y = batch
         ...         return F.cross_entropy(self.net(x), y)
@@ -86,14 +88,15 @@ class ExactAccumulation:
         >>> L.Trainer(max_steps=10).fit(Model(), DataLoader(train_set, batch_size=32))
     """
 
-    def __init__(self, *args: Any, micro_batch_size: int, bn: str = "exact", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, micro_batch_size: int, bn: str = "exact", schedule: str = "auto",
+                 store: str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self, pl.LightningModule):
             raise TypeError(f"ExactAccumulation is a mixin for lightning's LightningModule, got {type(self).__name__}; "
                             f"write class {type(self).__name__}(ExactAccumulation, L.LightningModule)")
-        check_options(micro_batch_size, bn)
-        # NOTE: not `self.bn`, which LightningModules often name a BatchNorm layer
-        self.micro_batch_size, self.accumnorm_bn = micro_batch_size, bn
+        # One attribute, not `self.bn` and the like: LightningModules often name a BatchNorm layer so.
+        self.accumnorm_options = backward_options(self, _micro_batch_loss, micro_batch_size=micro_batch_size, bn=bn,
+                                                  schedule=schedule, store=store)
         self._accumnorm_group: ProcessGroup | None = None
         self._accumnorm_ready = False  # set by on_fit_start's checks
         self._accumnorm_has_grad = False  # training_step made this step's gradient: backward must not be missed
@@ -111,8 +114,8 @@ class ExactAccumulation:
         # gradient is made inside training_step, so it starts from zero here and the two hooks below do nothing.
         self.zero_grad(set_to_none=True)
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # "16-mixed" only
-        loss = backward(self, batch, _micro_batch_loss, micro_batch_size=self.micro_batch_size, bn=self.accumnorm_bn,
-                        process_group=self._accumnorm_group, grad_scaler=scaler)
+        loss = backward(self, batch, _micro_batch_loss, process_group=self._accumnorm_group, grad_scaler=scaler,
+                        **self.accumnorm_options)
         self._accumnorm_has_grad = True
         return loss
 
@@ -149,7 +152,7 @@ def _check_trainer(module: Any) -> ProcessGroup | None:
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) accumulates with each batch's own "
             "BatchNorm statistics; remove it and make the DataLoader yield the batch of a whole optimizer step "
             f"({trainer.accumulate_grad_batches}x its batch_size), which {name} splits into micro-batches of "
-            f"micro_batch_size={module.micro_batch_size}")
+            f"micro_batch_size={module.accumnorm_options['micro_batch_size']}")
     for hook in _OWNED_HOOKS:
         if getattr(type(module), hook) is not getattr(ExactAccumulation, hook):
             raise ValueError(f"{name} overrides {hook}(), which ExactAccumulation implements: its training_step "
@@ -162,11 +165,6 @@ def _check_trainer(module: Any) -> ProcessGroup | None:
                          f"{len(trainer.optimizers)}")
     check_optimizer(trainer.optimizers[0], module, "return an optimizer over self.parameters() from "
                     "configure_optimizers (returning None gives Lightning a placeholder optimizer)")
-    synced = [n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
-    if synced:
-        raise ValueError(f"{name} has SyncBatchNorm layers ({', '.join(synced[:3])}); remove "
-                         "Trainer(sync_batchnorm=True) and use accumnorm's BatchNorm (accumnorm.convert): under "
-                         "DDP it reduces statistics over ranks and micro-batches itself")
     wrapper = trainer.strategy.model
     if isinstance(wrapper, DistributedDataParallel):
         # accumnorm.backward all-reduces the gradient of the whole global batch itself. DDP's reducer
