@@ -150,3 +150,6 @@ def test_two_cpu_processes_equal_one_process_with_the_global_batch(tmp_path):
     results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=240)
     assert [rc for rc, _ in results] == [0, 0], "\n".join(log[-3000:] for _, log in results)
     assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)
+    for rank in range(2):  # the model must be the DDP wrapper that prepare made
+        refused = (tmp_path / f"unwrapped-{rank}.txt").read_text()
+        assert "got distributed_type=MULTI_CPU with a Sequential model" in refused

@@ -4,7 +4,8 @@
 
 3 optimizer steps over global batches of 8, split 4 + 4 over the processes, each process's 4 as
 micro-batches 3 + 1, in float64, the gradient clipped to norm CLIP; torch's BatchNorm layers as they are.
-The batches this process was given and the final state of the net go to OUT/rank<process index>.pt.
+The batches this process was given and the final state of the net go to OUT/rank<process index>.pt;
+before that, the error of an ExactAccumulator given the unwrapped net, to OUT/unwrapped-<index>.txt.
 """
 import sys
 from datetime import timedelta
@@ -28,6 +29,10 @@ def main(out: Path, clip: float) -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(net, optimizer, loader, scheduler)
     assert isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)
     batches = list(loader)
+    try:  # each process would train its own net: refused
+        ExactAccumulator(accelerator, net, optimizer, ce_loss, micro_batch_size=3)
+    except ValueError as err:
+        (out / f"unwrapped-{accelerator.process_index}.txt").write_text(str(err))
     exact = ExactAccumulator(accelerator, model, optimizer, ce_loss, micro_batch_size=3)
     accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, clip)
     torch.save({"state": net.state_dict(), "batches": batches}, out / f"rank{accelerator.process_index}.pt")

@@ -141,7 +141,7 @@ def _micro_batch_loss(module: ExactAccumulation, micro_batch: Any) -> Tensor:
     return module.training_loss(micro_batch)
 
 
-def _check_trainer(module: Any) -> ProcessGroup | None:
+def _check_trainer(module: ExactAccumulation) -> ProcessGroup | None:
     """Refuse set-ups that would train wrongly or not at all; returns the process group to reduce over."""
     trainer, name = module.trainer, type(module).__name__
     if not module.automatic_optimization:
@@ -160,9 +160,7 @@ def _check_trainer(module: Any) -> ProcessGroup | None:
     if type(module).training_loss is ExactAccumulation.training_loss:
         raise ValueError(f"{name} must implement training_loss(self, batch) returning the mean loss of a "
                          "micro-batch (what training_step computed before ExactAccumulation)")
-    if len(trainer.optimizers) != 1:
-        raise ValueError(f"ExactAccumulation needs configure_optimizers to return one optimizer, got "
-                         f"{len(trainer.optimizers)}")
+    # Automatic optimization has exactly one: Lightning refuses several, and stands in for none.
     check_optimizer(trainer.optimizers[0], module, "return an optimizer over self.parameters() from "
                     "configure_optimizers (returning None gives Lightning a placeholder optimizer)")
     wrapper = trainer.strategy.model
