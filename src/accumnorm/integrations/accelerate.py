@@ -89,9 +89,10 @@ class ExactAccumulator:
                 f"statistics; leave it at 1 and give backward the batch of a whole optimizer step ({steps}x the "
                 f"loader's batch_size), which it splits into micro-batches of micro_batch_size={micro_batch_size}")
         if not isinstance(model, DistributedDataParallel) and accelerator.distributed_type != DistributedType.NO:
-            raise ValueError(f"ExactAccumulator runs on one process or on DDP processes (multi-GPU, multi-CPU), got "
-                             f"distributed_type={accelerator.distributed_type.value} with a {type(model).__name__} model; "
-                             "on several processes pass the model that accelerator.prepare returned")
+            raise ValueError(f"ExactAccumulator runs on one process or on DDP processes (multi-GPU, multi-CPU), "
+                             f"got distributed_type={accelerator.distributed_type.value} with a "
+                             f"{type(model).__name__} model; on several processes pass the model that "
+                             "accelerator.prepare returned")
         if not isinstance(optimizer, AcceleratedOptimizer):
             raise ValueError(f"the optimizer ({type(optimizer).__name__}) did not go through accelerator.prepare, "
                              "whose optimizer unscales and steps through the GradScaler under fp16; pass the one "
