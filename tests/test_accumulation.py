@@ -453,3 +453,13 @@ def test_auto_falls_back_to_passes_when_layerwise_runs_out_of_memory():
     with pytest.raises(torch.OutOfMemoryError):  # asked for by name, layerwise does not fall back
         calls.clear()
         accumnorm.backward(copy.deepcopy(ref), batch, loss_fn, micro_batch_size=2, schedule="layerwise")
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_scripted_batchnorm_is_refused_in_exact_mode():
+    """A scripted module's BatchNorm runs in C++, out of the step's sight: refused rather than silently inexact."""
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.BatchNorm1d(4)), nn.Linear(4, 10))
+    with pytest.raises(ValueError, match=r"cannot see the BatchNorm of the TorchScript module 1 \(BatchNorm1d\)"):
+        accumnorm.backward(model, data((4,), 6), ce_loss, micro_batch_size=2)
+    assert all(p.grad is None for p in model.parameters())
+    accumnorm.backward(model, data((4,), 6), ce_loss, micro_batch_size=2, bn="micro")  # plain accumulation is fine

@@ -85,6 +85,8 @@ def backward(
     step = Step(model, micro_batches, [n / total for n in sizes], loss_fn, collectives, grad_scaler, owners)
     # One micro-batch on one process is the whole batch: torch's own BatchNorm is already exact.
     exact = bn == "exact" and not (len(micro_batches) == 1 and process_group is None)
+    if exact:
+        _check_no_scripted_batch_norm(model)
     run = _pick_schedule(schedule, store_device, _device(model)) if exact else plain
 
     # Transaction: new gradients go to fresh .grad tensors, merged into the old ones only on success.
@@ -132,6 +134,16 @@ def _check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedu
         raise ValueError(f"bn must be one of {BN_MODES}, got {bn!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def _check_no_scripted_batch_norm(model: nn.Module) -> None:
+    """TorchScript runs a scripted module's BatchNorm in C++, where no schedule can see it: refuse, don't be wrong."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and "BatchNorm" in getattr(m, "original_name", ""):
+            raise ValueError(
+                f"bn='exact' cannot see the BatchNorm of the TorchScript module {name or 'model'} "
+                f"({m.original_name}): script the model after training, or pass bn='micro'"
+            )
 
 
 def _pick_schedule(schedule: str, store: torch.device, model_device: torch.device) -> Callable[[Step], None]:
