@@ -48,7 +48,6 @@ def prepared(accelerator: Accelerator, net: nn.Module, data, micro_batch_size: i
     return exact, model, optimizer, scheduler, list(loader)
 
 
-@pytest.mark.slow
 def test_loop_equals_whole_batch_training_and_resumes_from_save_state(tmp_path):
     """3 steps over batches of 8 as micro-batches 3 + 3 + 2, float64, clipped with clip_grad_norm_, the LR halved every
     step, accumnorm's BatchNorm (the two-process test keeps torch's): parameters, running statistics and losses are
