@@ -1,10 +1,16 @@
-"""Shared test helpers: the whole-batch oracle and a relative-error measure."""
+"""Shared test helpers: the whole-batch oracle, a relative-error measure, and child processes."""
 from __future__ import annotations
 
 import copy
 import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -61,6 +67,106 @@ def exact_vs_whole_batch(ref: nn.Module, ours: nn.Module, batch, micro_batch_siz
 
 
 def child_env() -> dict[str, str]:
-    """The environment of a program run as a subprocess: it imports this accumnorm."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(accumnorm.__file__).parents[1]),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    """The environment of a program run as a subprocess: it imports this accumnorm, and helpers and models
+    from tests/ (for programs in tests/programs)."""
+    path = [str(Path(accumnorm.__file__).parents[1]), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def sgd_halving(params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """SGD with momentum whose learning rate halves every step: the optimizer of the framework oracle tests."""
+    optimizer = torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def train_whole_batch(model: nn.Module, batches, *, max_grad_norm: float = float("inf"),
+                      autocast: torch.dtype | None = None) -> tuple[list[float], list[float]]:
+    """The oracle: plain PyTorch, one forward/backward of each whole batch per step of `sgd_halving`,
+    the gradient clipped to `max_grad_norm`, under CPU autocast to `autocast` if given. Returns the
+    losses and the gradient norms before clipping."""
+    optimizer, scheduler = sgd_halving(model.parameters())
+    losses, norms = [], []
+    for batch in batches:
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = ce_loss(model, batch)
+        loss.backward()
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def assert_state_close(state: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float) -> None:
+    """Every parameter and buffer of `state` within `tol` relative error of `want`'s; counters equal."""
+    assert state.keys() == want.keys()
+    for key, value in want.items():
+        if value.dtype == torch.long:  # num_batches_tracked
+            assert torch.equal(state[key], value), key
+        else:
+            assert rel_err(state[key], value) <= tol, f"{key}: relative error {rel_err(state[key], value):.3g}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    """`child_env`, on the CPU only with one thread per process, plus `extra`."""
+    return {**child_env(), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
+
+
+def launch_ranks(argv: Sequence[str], logs: Path, *, world_size: int = 2, wait_s: float = 90,
+                 wait_for: Sequence[int] | None = None, **env: str) -> list[tuple[int, str]]:
+    """Start `world_size` processes `python *argv` with torchrun's environment (RANK, LOCAL_RANK, NODE_RANK,
+    WORLD_SIZE, MASTER_ADDR 127.0.0.1, a free MASTER_PORT) plus `env`, logging to logs/rank<r>.log.
+    Returns (returncode, log) per rank once the ranks `wait_for` (all by default) have ended, killing
+    the others; fails the test if those are still running after `wait_s`, so a hang cannot block CI."""
+    port, procs = free_port(), []
+    for rank in range(world_size):
+        rank_env = cpu_env(RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
+        with open(logs / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + wait_s
+    try:
+        for rank in range(world_size) if wait_for is None else wait_for:
+            procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"ranks still running after {wait_s}s: "
+                    + " | ".join((logs / f"rank{r}.log").read_text()[-500:] for r in range(world_size)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, (logs / f"rank{r}.log").read_text()) for r, p in enumerate(procs)]
+
+
+def accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, max_grad_norm: float) -> list[float]:
+    """The training loop of an Accelerate user with an accumnorm ExactAccumulator `exact`; returns the losses."""
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        losses.append(exact.backward(batch).item())
+        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+    return losses
+
+
+def assert_ranks_trained_like_whole_batch(out: Path, world_size: int, oracle: nn.Module, max_grad_norm: float) -> None:
+    """Each rank's out/rank<r>.pt holds the batches it trained on and its net's final state: joined, the
+    ranks' batches make the global batches, on which `train_whole_batch` must take `oracle` (the net as
+    the ranks started it) to that same state."""
+    ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(world_size)]
+    steps = zip(*(r["batches"] for r in ranks), strict=True)
+    global_batches = [[torch.cat(parts) for parts in zip(*step, strict=True)] for step in steps]
+    _, norms = train_whole_batch(oracle, global_batches, max_grad_norm=max_grad_norm)
+    assert min(norms) > max_grad_norm  # clipping is part of what is compared
+    for got in ranks:
+        assert_state_close(got["state"], oracle.state_dict(), 1e-9)

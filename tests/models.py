@@ -1,10 +1,13 @@
 """Small models for the oracle tests, built with torch's norms (the oracle) and converted for accumnorm."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+
+from helpers import ce_loss, sgd_halving
 
 Act = Callable[[], nn.Module]
 
@@ -110,3 +113,50 @@ MODELS = {
 
 def data(shape, n: int, dtype=torch.float32):
     return torch.randn(n, *shape, dtype=dtype), torch.randint(0, 10, (n,))
+
+
+def tiny_bn(dtype: torch.dtype = torch.float64) -> nn.Module:
+    """Conv-BN-Tanh twice and a BatchNorm1d head on (1, 8, 8) inputs, the same every call: small enough for
+    tests that start a training framework. Tanh, not ReLU, and no conv bias before BN (its true gradient is
+    0): float64 results agree with the whole-batch oracle to 1e-9, with no kink to fall on either side of."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(2),
+        nn.Conv2d(4, 8, 3, bias=False), nn.BatchNorm2d(8), nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10),
+    ).to(dtype)
+
+
+def tiny_dataset(n: int, dtype: torch.dtype = torch.float64) -> torch.utils.data.TensorDataset:
+    """n samples for `tiny_bn`, the same every call (every rank of a test builds the same set)."""
+    torch.manual_seed(1)
+    return torch.utils.data.TensorDataset(*data((1, 8, 8), n, dtype))
+
+
+@functools.cache
+def lit_classifier() -> type:
+    """A LightningModule class around a classifier `net`, with accumnorm's ExactAccumulation: the optimizer
+    of `helpers.sgd_halving` stepping its schedule every step, the loss logged as train_loss. Made on
+    first use, as importing lightning takes seconds."""
+    import lightning.pytorch as pl
+
+    from accumnorm.integrations.lightning import ExactAccumulation
+
+    class LitClassifier(ExactAccumulation, pl.LightningModule):
+        def __init__(self, net: nn.Module, **options) -> None:
+            super().__init__(**options)
+            self.net = net
+
+        def training_loss(self, batch):
+            return ce_loss(self.net, batch)
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            optimizer, scheduler = sgd_halving(self.parameters())
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return LitClassifier

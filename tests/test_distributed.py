@@ -4,7 +4,6 @@ The ranks are real processes started from torchrun's environment variables; this
 their program (``python tests/test_distributed.py SCENARIO OUT`` with RANK, WORLD_SIZE, ...).
 """
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ import torch.nn as nn
 
 import accumnorm
 from accumnorm import Trainer, distributed
-from helpers import ce_loss, rel_err
+from helpers import ce_loss, cpu_env, launch_ranks, rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = 2  # micro-batch 2 x 4 accumulation x 2 ranks = one batch of 16
@@ -77,7 +76,9 @@ def worker(scenario: str, out: Path) -> None:
 def resume(rank: int, out: Path) -> None:
     """2 steps, save, 2 more; against a fresh trainer loaded from the checkpoint, 2 more. Each rank
     draws its own dropout masks, so each must get its own RNG state back."""
-    dropout_net = lambda: accumnorm.convert(nn.Sequential(net(), nn.Dropout(0.5)))
+    def dropout_net() -> nn.Module:
+        return accumnorm.convert(nn.Sequential(net(), nn.Dropout(0.5)))
+
     model = dropout_net()
     trainer = Trainer(model, sgd(model), ce_loss, micro_batch_size=MICRO)
     torch.manual_seed(100 + rank)
@@ -94,42 +95,10 @@ def resume(rank: int, out: Path) -> None:
 
 
 # ---------------------------------------------------------------- the tests
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_env(**extra: str) -> dict[str, str]:
-    """The environment of a child process: this accumnorm, CPU only, one thread per process."""
-    path = os.pathsep.join([str(Path(accumnorm.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
-
-
 def launch(scenario: str, out: Path, pg_timeout_s: float = 30, wait_s: float = 90, wait_for=(0, 1)):
-    """Start 2 ranks as torchrun would; returns (returncode, log) per rank once the ranks ``wait_for``
-    have ended, killing the others. Fails if those are still running after ``wait_s``."""
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = cpu_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), PG_TIMEOUT_S=str(pg_timeout_s))
-        log = open(out / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, __file__, scenario, str(out)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT))
-        log.close()
-    deadline = time.monotonic() + wait_s
-    try:
-        for rank in wait_for:
-            procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"ranks still running after {wait_s}s: "
-                    + " | ".join((out / f"rank{r}.log").read_text()[-500:] for r in range(2)))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [(p.returncode, (out / f"rank{r}.log").read_text()) for r, p in enumerate(procs)]
+    """Start 2 ranks of this file's program as torchrun would (see helpers.launch_ranks)."""
+    return launch_ranks([__file__, scenario, str(out)], out, wait_s=wait_s, wait_for=wait_for,
+                        PG_TIMEOUT_S=str(pg_timeout_s))
 
 
 @pytest.fixture(scope="module")

@@ -2,5 +2,7 @@
 for, so that its library stays an optional dependency:
 
     from accumnorm.integrations.timm import BatchNormAct2d             # pip install 'accumnorm[timm]'
+    from accumnorm.integrations.lightning import ExactAccumulation     # pip install 'accumnorm[lightning]'
+    from accumnorm.integrations.accelerate import ExactAccumulator     # pip install 'accumnorm[accelerate]'
 """
 __all__: list[str] = []

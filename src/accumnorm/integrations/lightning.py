@@ -1,0 +1,175 @@
+"""Exact BatchNorm under gradient accumulation in Lightning: a mixin for an existing LightningModule.
+
+    from accumnorm.integrations.lightning import ExactAccumulation
+
+    class Model(ExactAccumulation, L.LightningModule):    # 1. the mixin, before LightningModule
+        def __init__(self):
+            super().__init__(micro_batch_size=8)           # 2. samples per micro-batch
+            self.net = make_net()                          # torch's BatchNorm layers, as they are
+
+        def training_loss(self, batch):                    # 3. was training_step: the mean loss of a micro-batch
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+    trainer = L.Trainer(precision="bf16-mixed", gradient_clip_val=1.0)
+    trainer.fit(Model(), DataLoader(train_set, batch_size=64))     # 64 samples per optimizer step
+
+Each batch the DataLoader yields is the batch of one optimizer step (under DDP, this rank's share of
+it). The mixin's `training_step` runs it through `accumnorm.backward` in micro-batches, which leaves in
+`.grad` the gradient of the whole batch's mean loss, BatchNorm statistics of the whole batch (and of
+every rank) included, and returns that loss. Everything else is Lightning's automatic optimization,
+unchanged: precision plugins (autocast; under "16-mixed" its GradScaler scales the loss, unscales the
+gradient before clipping and skips a step that overflows), `Trainer(gradient_clip_val=...)`, the
+optimizer step, learning-rate schedulers, checkpoints and loggers. To log the loss, override
+`training_step`: `loss = super().training_step(batch, batch_idx); self.log("train_loss", loss)`.
+In exact mode `training_loss` may run in a worker thread (the layerwise schedule) or more than once
+per micro-batch (passes): log nothing from it.
+
+Set-up (`on_fit_start`, before the sanity check and any step) refuses what would make the result
+wrong or silently untrained, each time saying what to change: `Trainer(accumulate_grad_batches=...)`,
+manual optimization, an optimizer that does not step this module's parameters, a strategy other than
+one device or DDP, and overrides of the hooks the mixin owns (the mixin's own arguments are checked
+when the module is made).
+A batch is checked when it arrives, before anything changes (`accumnorm.backward` validates it).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.nn.parallel import DistributedDataParallel
+
+from ..accumulation import backward
+from ._checks import backward_options, check_optimizer
+
+try:
+    import lightning.pytorch as pl
+except ImportError as err:  # an optional integration: the core needs only torch
+    raise ImportError("accumnorm.integrations.lightning needs Lightning: pip install 'accumnorm[lightning]'") from err
+
+__all__ = ["ExactAccumulation"]
+
+# Hooks the mixin implements for Lightning to call; a subclass overriding one would undo the mixin.
+_OWNED_HOOKS = ("backward", "optimizer_zero_grad")
+
+
+class ExactAccumulation:
+    """Mixin for a `lightning.pytorch.LightningModule`: every optimizer step takes the exact gradient of
+    the whole batch, computed `micro_batch_size` samples at a time with `accumnorm.backward`.
+
+    Args:
+        micro_batch_size: samples per micro-batch; the DataLoader's batch (per rank under DDP) is the
+            batch of one optimizer step, and its last micro-batch may be smaller.
+        bn: "exact" (every BatchNorm call sees the whole batch, across ranks under DDP) or "micro"
+            (per-micro-batch statistics: plain accumulation, the baseline).
+        schedule, store: how exact mode runs, as for `accumnorm.backward`.
+
+    Subclasses implement `training_loss(batch)`, the mean loss over a micro-batch (what their
+    `training_step` used to compute), and put the mixin before LightningModule in their bases.
+
+    Shape:
+        - batch: a Tensor or a tuple/list/dict of Tensors sharing dim 0 (the samples), as
+          `accumnorm.backward` takes it.
+
+    Examples::
+
+        >>> class Model(ExactAccumulation, L.LightningModule):
+        ...     def __init__(self):
+        ...         super().__init__(micro_batch_size=4)
+        ...         self.net = nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+        ...                                  nn.Linear(8 * 26 * 26, 10))
+        ...     def training_loss(self, batch):
+        ...         x, y = batch
+        ...         return F.cross_entropy(self.net(x), y)
+        ...     def configure_optimizers(self):
+        ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+        >>> L.Trainer(max_steps=10).fit(Model(), DataLoader(train_set, batch_size=32))
+    """
+
+    def __init__(self, *args: Any, micro_batch_size: int, bn: str = "exact", schedule: str = "auto",
+                 store: str | torch.device | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self, pl.LightningModule):
+            raise TypeError(f"ExactAccumulation is a mixin for lightning's LightningModule, got {type(self).__name__}; "
+                            f"write class {type(self).__name__}(ExactAccumulation, L.LightningModule)")
+        # One attribute, not `self.bn` and the like: LightningModules often name a BatchNorm layer so.
+        self.accumnorm_options = backward_options(self, _micro_batch_loss, micro_batch_size=micro_batch_size, bn=bn,
+                                                  schedule=schedule, store=store)
+        self._accumnorm_group: ProcessGroup | None = None
+        self._accumnorm_ready = False  # set by on_fit_start's checks
+        self._accumnorm_has_grad = False  # training_step made this step's gradient: backward must not be missed
+
+    def training_loss(self, batch: Any) -> Tensor:
+        """The mean loss over one micro-batch, a scalar Tensor: implement it in the subclass."""
+        raise NotImplementedError
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        """Put the whole batch's gradient in `.grad`, micro-batch by micro-batch; return its mean loss (detached)."""
+        if not self._accumnorm_ready:
+            raise RuntimeError(f"{type(self).__name__}.on_fit_start did not reach ExactAccumulation.on_fit_start, "
+                               "which checks the trainer: call super().on_fit_start() from your override")
+        # NOTE: Lightning zeroes gradients after training_step and back-propagates its output; here the
+        # gradient is made inside training_step, so it starts from zero here and the two hooks below do nothing.
+        self.zero_grad(set_to_none=True)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # "16-mixed" only
+        loss = backward(self, batch, _micro_batch_loss, process_group=self._accumnorm_group, grad_scaler=scaler,
+                        **self.accumnorm_options)
+        self._accumnorm_has_grad = True
+        return loss
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing to do: Lightning calls it after training_step, which has just made the gradient."""
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: training_step has already put the gradient of `loss` in `.grad`."""
+        if not self._accumnorm_has_grad:
+            raise RuntimeError(f"{type(self).__name__}.training_step returned a loss without calling "
+                               "ExactAccumulation.training_step, so no gradient was computed; return "
+                               "super().training_step(batch, batch_idx) from your override")
+        self._accumnorm_has_grad = False
+
+    def on_fit_start(self) -> None:
+        """Check the trainer before any step and find the process group of a DDP strategy."""
+        super().on_fit_start()
+        self._accumnorm_group = _check_trainer(self)
+        self._accumnorm_ready = True
+
+
+def _micro_batch_loss(module: ExactAccumulation, micro_batch: Any) -> Tensor:
+    return module.training_loss(micro_batch)
+
+
+def _check_trainer(module: ExactAccumulation) -> ProcessGroup | None:
+    """Refuse set-ups that would train wrongly or not at all; returns the process group to reduce over."""
+    trainer, name = module.trainer, type(module).__name__
+    if not module.automatic_optimization:
+        raise ValueError(f"{name} sets automatic_optimization = False, but ExactAccumulation computes the gradient "
+                         "in training_step for Lightning's automatic optimization to step; remove that line")
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) accumulates with each batch's own "
+            "BatchNorm statistics; remove it and make the DataLoader yield the batch of a whole optimizer step "
+            f"({trainer.accumulate_grad_batches}x its batch_size), which {name} splits into micro-batches of "
+            f"micro_batch_size={module.accumnorm_options['micro_batch_size']}")
+    for hook in _OWNED_HOOKS:
+        if getattr(type(module), hook) is not getattr(ExactAccumulation, hook):
+            raise ValueError(f"{name} overrides {hook}(), which ExactAccumulation implements: its training_step "
+                             "already computes the gradient; remove the override")
+    if type(module).training_loss is ExactAccumulation.training_loss:
+        raise ValueError(f"{name} must implement training_loss(self, batch) returning the mean loss of a "
+                         "micro-batch (what training_step computed before ExactAccumulation)")
+    # Automatic optimization has exactly one: Lightning refuses several, and stands in for none.
+    check_optimizer(trainer.optimizers[0], module, "return an optimizer over self.parameters() from "
+                    "configure_optimizers (returning None gives Lightning a placeholder optimizer)")
+    wrapper = trainer.strategy.model
+    if isinstance(wrapper, DistributedDataParallel):
+        # accumnorm.backward all-reduces the gradient of the whole global batch itself. DDP's reducer
+        # would also average, after each micro-batch's backward: never let it arm its hooks.
+        wrapper.require_backward_grad_sync = False
+        return wrapper.process_group
+    if wrapper is not module or trainer.world_size != 1:
+        raise ValueError(f"ExactAccumulation runs on one device or under strategy='ddp', got "
+                         f"{type(trainer.strategy).__name__} with {trainer.world_size} processes")
+    return None
