@@ -1,7 +1,9 @@
-"""Shared test helpers: the whole-batch oracle and a relative-error measure."""
+"""Shared test helpers: the whole-batch oracle, a relative-error measure, snapshots and a saved-tensor meter."""
 from __future__ import annotations
 
 import copy
+import threading
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -19,6 +21,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 def ce_loss(model: nn.Module, batch) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
+
+
+def whole_batch(ref: nn.Module, batch, loss_fn=ce_loss) -> torch.Tensor:
+    """The oracle: one forward/backward of the whole batch through plain PyTorch; returns the loss."""
+    loss = loss_fn(ref, batch)
+    loss.backward()
+    return loss.detach()
 
 
 def oracle_and_ours(ref: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -46,3 +55,75 @@ def compare(ref: nn.Module, ours: nn.Module, tol: float) -> dict[str, float]:
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"{worst}: relative error {errs[worst]:.3g} > {tol}"
     return errs
+
+
+def snapshot(model: nn.Module) -> tuple[list, list]:
+    """Copies of every .grad and buffer, for `assert_unchanged`."""
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()], \
+        [b.clone() for b in model.buffers()]
+
+
+def assert_unchanged(model: nn.Module, snap: tuple[list, list]) -> None:
+    """Every .grad and buffer (running statistics, num_batches_tracked) is bit for bit as in `snap`."""
+    grads, bufs = snap
+    for (n, p), g in zip(model.named_parameters(), grads):
+        assert (p.grad is None and g is None) or (p.grad is not None and g is not None and torch.equal(p.grad, g)), n
+    for (n, b), b0 in zip(model.named_buffers(), bufs):
+        assert torch.equal(b, b0), n
+
+
+class _Held:
+    """A tensor saved for backward, counted in its meter until autograd lets go of it."""
+
+    def __init__(self, meter: SavedBytes, t: torch.Tensor, key: int) -> None:
+        self.meter, self.t, self.key = meter, t, key
+        meter._add(key, t.untyped_storage().nbytes(), 1)
+
+    def __del__(self) -> None:
+        self.meter._add(self.key, 0, -1)
+
+
+class SavedBytes:
+    """Peak bytes of the tensors autograd holds for backward (activation memory), via saved-tensor hooks.
+
+    A storage saved by several autograd nodes counts once, and storages in `exclude` (the model's
+    parameters, held whatever the step does) not at all. Thread-safe: the layerwise schedule runs
+    its micro-batches in worker threads, into which accumnorm carries the caller's hooks.
+
+        with SavedBytes(model.parameters()) as saved:
+            accumnorm.backward(model, batch, loss_fn, micro_batch_size=4)
+        saved.peak
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.live = self.peak = 0
+        self._held: dict[int, list[int]] = {}  # storage address -> [references, bytes]
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._lock = threading.Lock()
+
+    def _add(self, key: int, nbytes: int, references: int) -> None:
+        with self._lock:
+            entry = self._held.setdefault(key, [0, nbytes])
+            entry[0] += references
+            if references > 0 and entry[0] == 1:
+                self.live += entry[1]
+                self.peak = max(self.peak, self.live)
+            elif entry[0] == 0:
+                self.live -= entry[1]
+                del self._held[key]
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _Held:
+        key = t.untyped_storage().data_ptr()
+        return t if key in self._exclude else _Held(self, t, key)
+
+    @staticmethod
+    def _unpack(saved: torch.Tensor | _Held) -> torch.Tensor:
+        return saved.t if isinstance(saved, _Held) else saved
+
+    def __enter__(self) -> SavedBytes:
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
