@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import accumnorm
-from helpers import compare, rel_err, whole_batch
+from helpers import compare, compare_within_rounding, rel_err, whole_batch
 
 C, S, C_IN, MAX_N = 4, 3, 2, 8
 ACTS = {"tanh": nn.Tanh, "silu": nn.SiLU, "gelu": nn.GELU, "softplus": nn.Softplus}
@@ -57,12 +57,34 @@ class Norm(nn.Module):
     def forward(self, h, ids):
         n = h.shape[0]
         if self.view == "2d":
-            return self.norm(h.reshape(n, C, S, S * S)).reshape(h.shape)
+            return self._norm(h.reshape(n, C, S, S * S)).reshape(h.shape)
         if self.view == "1d":
-            return self.norm(h.flatten(2)).reshape(h.shape)
+            return self._norm(h.flatten(2)).reshape(h.shape)
         if self.view == "pooled":
-            return h + self.norm(h.mean((2, 3, 4)))[:, :, None, None, None]
-        return self.norm(h)
+            return h + self._norm(h.mean((2, 3, 4)))[:, :, None, None, None]
+        return self._norm(h)
+
+    def _norm(self, x):
+        if not isinstance(self.norm, accumnorm.LayerNorm):
+            return self.norm(x)
+        # NOTE torch 2.14.1 CPU bug, not accumnorm's: batch_norm's backward (so BatchNorm in eval mode and
+        # InstanceNorm too) gets the weight gradient O(1) wrong when a one-sample input or grad_output has
+        # channels-last strides with a dim-0 stride other than its numel. A channels-first LayerNorm
+        # (movedim, layer_norm, movedim back) makes exactly those at micro-batch 1, never for a whole batch
+        # of N >= 2, so plain torch at micro-batch 1 is wrong there too. Keep its tensors contiguous.
+        return _Contiguous.apply(self.norm(_Contiguous.apply(x)))
+
+
+class _Contiguous(torch.autograd.Function):
+    """Identity whose output and input gradient are contiguous copies (see the NOTE in `Norm`)."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad.clone(memory_format=torch.contiguous_format)
 
 
 class Plain(nn.Module):
@@ -207,7 +229,7 @@ def random_dropouts(model: nn.Module) -> list[nn.Module]:
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=networks())
 def test_random_networks_match_whole_batch_in_both_schedules(spec):
     model = build(spec)
@@ -215,6 +237,15 @@ def test_random_networks_match_whole_batch_in_both_schedules(spec):
     g = torch.Generator().manual_seed(spec["seed"])
     batch = (torch.randn(n, C_IN, S, S, S, generator=g, dtype=torch.float64), torch.randperm(MAX_N, generator=g)[:n],
              torch.randint(0, 10, (n,), generator=g))
+    # Random networks can be ill-conditioned (BatchNorm over 2 pooled values, twice): where whole-batch torch
+    # over the batch in reverse order is already more than 1e-9 off whole-batch torch, that sets the scale.
+    in_eval = copy.deepcopy(model)
+    for m in random_dropouts(in_eval):
+        m.eval()
+    ref, twin = copy.deepcopy(in_eval), copy.deepcopy(in_eval)
+    expected = whole_batch(ref, batch, loss_fn)
+    whole_batch(twin, tuple(t.flip(0) for t in batch), loss_fn)
+    slack = 100
 
     # (a) with torch's dropout drawing masks: the two schedules agree with each other.
     results = {}
@@ -224,16 +255,15 @@ def test_random_networks_match_whole_batch_in_both_schedules(spec):
         results[schedule] = m, accumnorm.backward(m, batch, loss_fn, micro_batch_size=spec["micro"],
                                                   schedule=schedule)
     (a, loss_a), (b, loss_b) = results.values()
-    compare(a, b, 1e-9)
+    noise = compare(ref, twin, float("inf"))
+    errs = compare(a, b, float("inf"))
+    worst = max(errs, key=lambda k: errs[k] / max(1e-9, slack * noise[k]))
+    assert errs[worst] <= max(1e-9, slack * noise[worst]), f"layerwise vs passes, {worst}: {errs[worst]:.3g}"
     assert rel_err(loss_b, loss_a) < 1e-10
 
     # (b) torch's dropout in eval mode, IdDropout masking: both schedules match whole-batch torch.
-    for m in random_dropouts(model):
-        m.eval()
-    ref = copy.deepcopy(model)
-    expected = whole_batch(ref, batch, loss_fn)
     for schedule in ("layerwise", "passes"):
-        ours = copy.deepcopy(model)
+        ours = copy.deepcopy(in_eval)
         loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=spec["micro"], schedule=schedule)
-        compare(ref, ours, 1e-9)
+        compare_within_rounding(ref, twin, ours, 1e-9, slack)
         assert rel_err(loss, expected) < 1e-10, schedule
