@@ -1,4 +1,5 @@
-"""Small models for the oracle tests, built with torch's norms (the oracle) and converted for accumnorm."""
+"""Small models for the oracle tests, built with torch's norms: the oracle runs them as they are, accumnorm
+runs a copy (converted or not)."""
 from __future__ import annotations
 
 import functools
@@ -6,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from helpers import ce_loss, sgd_halving
 
@@ -98,6 +100,72 @@ def mixed(act: Act = nn.Tanh) -> nn.Module:
 def no_bn() -> nn.Module:
     """Per-sample norms only: plain accumulation is already exact."""
     return vgg(nn.Tanh, norm=lambda c: nn.GroupNorm(4, c))
+
+
+class Shared(nn.Module):
+    """One BatchNorm layer called twice in a forward, on different tensors (running stats updated twice)."""
+
+    def __init__(self, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6, momentum=momentum)
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = torch.tanh(self.bn(self.conv1(x)))
+        x = torch.tanh(self.bn(self.conv2(x)))
+        return self.head(x.mean((2, 3)))
+
+
+class FunctionalBN(nn.Module):
+    """BatchNorm through direct `F.batch_norm(..., training=True)` calls on the module's own tensors.
+
+    The first call keeps running statistics in plain buffers (updated by F.batch_norm itself, with the
+    momentum passed in); the second keeps none and has no affine parameters.
+    """
+
+    def __init__(self, act: Act = nn.Tanh) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(1, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.weight, self.bias = nn.Parameter(1 + 0.1 * torch.randn(8)), nn.Parameter(0.1 * torch.randn(8))
+        self.register_buffer("running_mean", torch.zeros(8))
+        self.register_buffer("running_var", torch.ones(8))
+        self.act = act()
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = self.act(F.batch_norm(self.conv1(x), self.running_mean, self.running_var, self.weight, self.bias,
+                                  training=True, momentum=0.3, eps=1e-4))
+        x = self.act(F.batch_norm(self.conv2(x), None, None, training=True))
+        return self.head(x.mean((2, 3)))
+
+
+# Piecewise-linear activations and their smooth stand-ins: kinks (ReLU's at 0, where max-pool then sees
+# ties between exact zeros) let rounding flip a gradient path, so tight float64 oracles use smooth ones.
+SMOOTH = {nn.ReLU: nn.SiLU, nn.ReLU6: nn.SiLU, nn.Hardswish: nn.SiLU, nn.Hardsigmoid: nn.Sigmoid}
+
+
+def smooth(model: nn.Module) -> nn.Module:
+    """Swap every ReLU/ReLU6/Hardswish/Hardsigmoid module of `model` for SiLU/Sigmoid, in place."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) in SMOOTH:
+                setattr(parent, name, SMOOTH[type(child)]())
+    return model
+
+
+def torchvision_model(name: str) -> nn.Module:
+    """A torchvision classifier (torch's BatchNorm2d, unconverted), 10 classes, random weights."""
+    import torchvision
+
+    return torchvision.models.get_model(name, weights=None, num_classes=10)
+
+
+def timm_model(name: str = "lcnet_035") -> nn.Module:
+    """A timm classifier whose norms are timm's BatchNormAct2d (BatchNorm2d subclass + activation)."""
+    import timm  # a test extra: accumnorm[dev] pulls accumnorm[timm]
+
+    return timm.create_model(name, pretrained=False, num_classes=10)
 
 
 # name -> (builder, input shape of one sample)

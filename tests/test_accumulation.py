@@ -1,4 +1,7 @@
-"""accumnorm.backward against the oracle, whole-batch PyTorch: one forward/backward over the whole batch."""
+"""accumnorm.backward against the oracle, whole-batch PyTorch: one forward/backward over the whole batch.
+
+Models here are converted to accumnorm's layers (`oracle_and_ours`); tests/test_schedules.py runs unconverted
+torch, torchvision and timm models, direct F.batch_norm calls and random networks through both schedules."""
 from __future__ import annotations
 
 import copy
@@ -10,54 +13,54 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
-from helpers import ce_loss, compare, oracle_and_ours, rel_err
-from models import MODELS, SeqNet, conv3d, data, mixed, mlp, no_bn, resnet, vgg
+from helpers import SavedBytes, assert_unchanged, ce_loss, compare, oracle_and_ours, rel_err, snapshot, whole_batch
+from models import MODELS, SeqNet, Shared, conv3d, data, mixed, mlp, no_bn, resnet, vgg
 
 SMOOTH = {"vgg": lambda: vgg(nn.Tanh), "resnet": lambda: resnet(nn.Tanh), "mlp": mlp, "seq": SeqNet,
           "conv3d": conv3d, "mixed": mixed}
+SCHEDULES = ["layerwise", "passes"]
 
 
-def whole_batch(ref: nn.Module, batch) -> torch.Tensor:
-    loss = ce_loss(ref, batch)
-    loss.backward()
-    return loss.detach()
-
-
-def run_both(build, shape, n, micro, dtype, bn="exact"):
+def run_both(build, shape, n, micro, dtype, bn="exact", schedule="auto"):
     ref, ours = oracle_and_ours(build().to(dtype))
     batch = data(shape, n, dtype)
     expected = whole_batch(ref, batch)
-    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=micro, bn=bn)
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=micro, bn=bn, schedule=schedule)
     return ref, ours, expected, loss
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("n,micro", [(12, 4), (11, 3), (7, 1)])
-def test_exact_matches_whole_batch_float64_smooth(name, n, micro):
-    ref, ours, expected, loss = run_both(SMOOTH[name], MODELS[name][1], n, micro, torch.float64)
+def test_exact_matches_whole_batch_float64_smooth(name, n, micro, schedule):
+    ref, ours, expected, loss = run_both(SMOOTH[name], MODELS[name][1], n, micro, torch.float64, schedule=schedule)
     errs = compare(ref, ours, 1e-9)
     assert rel_err(loss, expected) < 1e-12, errs
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", ["vgg", "resnet"])
-def test_exact_matches_whole_batch_float64_relu_maxpool(name):
+def test_exact_matches_whole_batch_float64_relu_maxpool(name, schedule):
     build, shape = MODELS[name]
-    ref, ours, expected, loss = run_both(build, shape, 10, 3, torch.float64)
+    ref, ours, expected, loss = run_both(build, shape, 10, 3, torch.float64, schedule=schedule)
     compare(ref, ours, 1e-6)
     assert rel_err(loss, expected) < 1e-12
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_exact_matches_whole_batch_float32(name):
+def test_exact_matches_whole_batch_float32(name, schedule):
     build, shape = MODELS[name]
-    ref, ours, expected, loss = run_both(build, shape, 13, 4, torch.float32)
+    ref, ours, expected, loss = run_both(build, shape, 13, 4, torch.float32, schedule=schedule)
     compare(ref, ours, 1e-3)
     assert rel_err(loss, expected) < 1e-5
 
 
-def test_study_net_at_micro_batch_one_matches_batch_16():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_study_net_at_micro_batch_one_matches_batch_16(schedule):
     """The study's setting: micro-batch 1 x 16, ReLU and max-pool, float32."""
-    ref, ours, expected, loss = run_both(lambda: vgg(widths=(32, 64, 128, 256)), (1, 28, 28), 16, 1, torch.float32)
+    ref, ours, expected, loss = run_both(lambda: vgg(widths=(32, 64, 128, 256)), (1, 28, 28), 16, 1, torch.float32,
+                                         schedule=schedule)
     compare(ref, ours, 1e-3)
     assert rel_err(loss, expected) < 1e-5
 
@@ -87,13 +90,14 @@ def test_exact_differs_from_micro_where_it_should():
         compare(ref, ours, 1e-3)
 
 
-def test_invariant_to_micro_batch_size():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_invariant_to_micro_batch_size(schedule):
     model = accumnorm.convert(resnet(nn.Tanh).double())
     batch = data((1, 12, 12), 12, torch.float64)
     results = []
     for micro in (1, 2, 5, 12):
         m = copy.deepcopy(model)
-        loss = accumnorm.backward(m, batch, ce_loss, micro_batch_size=micro)
+        loss = accumnorm.backward(m, batch, ce_loss, micro_batch_size=micro, schedule=schedule)
         results.append((loss, [p.grad for p in m.parameters()], [b.clone() for b in m.buffers()]))
     for loss, grads, bufs in results[1:]:
         assert rel_err(loss, results[0][0]) < 1e-12
@@ -101,7 +105,8 @@ def test_invariant_to_micro_batch_size():
         assert all(rel_err(b, b0, 1e-8) < 1e-12 for b, b0 in zip(bufs, results[0][2]))
 
 
-def test_batch_as_dict_and_gradients_add_to_existing_grad():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_batch_as_dict_and_gradients_add_to_existing_grad(schedule):
     ref, ours = oracle_and_ours(mlp().double())
     x, y = data((64,), 9, torch.float64)
     for m in (ref, ours):
@@ -109,7 +114,7 @@ def test_batch_as_dict_and_gradients_add_to_existing_grad():
             p.grad = torch.ones_like(p)
     whole_batch(ref, (x, y))
     loss_fn = lambda model, b: F.cross_entropy(model(b["x"]), b["y"])  # noqa: E731
-    accumnorm.backward(ours, {"x": x, "y": y}, loss_fn, micro_batch_size=4)
+    accumnorm.backward(ours, {"x": x, "y": y}, loss_fn, micro_batch_size=4, schedule=schedule)
     compare(ref, ours, 1e-9)
 
 
@@ -138,23 +143,9 @@ def test_a_single_micro_batch_takes_one_pass():
     assert rel_err(loss, expected) < 1e-12
 
 
-class Shared(nn.Module):
-    """One BatchNorm layer called twice in a forward, on different tensors."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.conv2 = nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 6, 3, padding=1)
-        self.bn = nn.BatchNorm2d(6)
-        self.head = nn.Linear(6, 10)
-
-    def forward(self, x):
-        x = torch.tanh(self.bn(self.conv1(x)))
-        x = torch.tanh(self.bn(self.conv2(x)))
-        return self.head(x.mean((2, 3)))
-
-
-def test_layer_called_twice_per_forward_matches_whole_batch():
-    ref, ours, expected, loss = run_both(Shared, (1, 8, 8), 10, 3, torch.float64)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_layer_called_twice_per_forward_matches_whole_batch(schedule):
+    ref, ours, expected, loss = run_both(Shared, (1, 8, 8), 10, 3, torch.float64, schedule=schedule)
     compare(ref, ours, 1e-9)
     assert int(ours.bn.num_batches_tracked) == 2  # once per call, as torch does
 
@@ -207,11 +198,12 @@ def test_dropout_draws_the_same_masks_in_every_pass_and_is_seeded():
     assert torch.equal(torch.rand(3), after_layerwise)
 
 
-def test_bf16_autocast_keeps_statistics_in_float32():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_bf16_autocast_keeps_statistics_in_float32(schedule):
     model = accumnorm.convert(vgg())
     batch = data((1, 16, 16), 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
     assert torch.isfinite(loss)
     for m in model.modules():
         if isinstance(m, accumnorm.BatchNorm2d):
@@ -219,56 +211,16 @@ def test_bf16_autocast_keeps_statistics_in_float32():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_lazy_model_materializes_and_matches():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_lazy_model_materializes_and_matches(schedule):
     torch.manual_seed(1)
     lazy = vgg(nn.Tanh, norm=lambda c: accumnorm.norm("bn")).double()
     batch = data((1, 16, 16), 9, torch.float64)
-    accumnorm.backward(lazy, batch, ce_loss, micro_batch_size=4)
+    accumnorm.backward(lazy, batch, ce_loss, micro_batch_size=4, schedule=schedule)
     torch.manual_seed(1)
     ref = vgg(nn.Tanh).double()
     whole_batch(ref, batch)
     compare(ref, lazy, 1e-9)
-
-
-class _SavedBytes:
-    """Peak bytes of tensors held for backward (activation memory), via saved-tensor hooks.
-
-    Each storage counts once however many nodes save it (a weight is saved once per micro-batch's
-    forward under the layerwise schedule, but it is one tensor).
-    """
-
-    def __init__(self):
-        self.live = self.peak = 0
-        self.holders = {}  # storage pointer -> number of saves alive
-
-    def pack(self, t):
-        owner, key = self, t.untyped_storage().data_ptr()
-
-        class Held:
-            def __init__(self, t):
-                self.t = t
-                if owner.holders.get(key, 0) == 0:
-                    owner.live += t.untyped_storage().nbytes()
-                    owner.peak = max(owner.peak, owner.live)
-                owner.holders[key] = owner.holders.get(key, 0) + 1
-
-            def __del__(self):
-                owner.holders[key] -= 1
-                if owner.holders[key] == 0:
-                    owner.live -= self.t.untyped_storage().nbytes()
-
-        return Held(t)
-
-    def unpack(self, held):
-        return held.t
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
 
 
 def test_saved_tensors_of_each_schedule():
@@ -279,7 +231,7 @@ def test_saved_tensors_of_each_schedule():
     peaks = {}
     for bn, schedule, micro in [("micro", "auto", 2), ("exact", "passes", 2), ("exact", "layerwise", 2),
                                 ("micro", "auto", 16)]:
-        with _SavedBytes() as saved:
+        with SavedBytes() as saved:
             accumnorm.backward(model, batch, ce_loss, micro_batch_size=micro, bn=bn, schedule=schedule)
         peaks[schedule if bn == "exact" else micro] = saved.peak
     assert peaks["passes"] <= 1.1 * peaks[2]
@@ -288,19 +240,6 @@ def test_saved_tensors_of_each_schedule():
 
 
 # --- bad input: a clear error, and nothing changed ---------------------------------------------------
-
-def snapshot(model):
-    return [None if p.grad is None else p.grad.clone() for p in model.parameters()], \
-        [b.clone() for b in model.buffers()]
-
-
-def assert_unchanged(model, snap):
-    grads, bufs = snap
-    for p, g in zip(model.parameters(), grads):
-        assert (p.grad is None and g is None) or torch.equal(p.grad, g)
-    for b, b0 in zip(model.buffers(), bufs):
-        assert torch.equal(b, b0)
-
 
 @pytest.fixture
 def primed():
@@ -374,20 +313,24 @@ def test_under_a_grad_scaler_an_overflow_is_left_to_the_scaler():
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and scaler.get_scale() == 2.0**7
 
 
-def test_grad_scaler_scales_the_gradient():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_grad_scaler_scales_the_gradient(schedule):
     ref, ours = oracle_and_ours(mlp().double())
     batch = data((64,), 8, torch.float64)
     whole_batch(ref, batch)
-    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, grad_scaler=torch.amp.GradScaler("cpu", init_scale=4.0))
-    for p, q in zip(ref.parameters(), ours.parameters()):
+    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, schedule=schedule,
+                       grad_scaler=torch.amp.GradScaler("cpu", init_scale=4.0))
+    for q in ours.parameters():
         q.grad /= 4.0
     compare(ref, ours, 1e-9)
 
 
-@pytest.mark.parametrize("bn,schedule,fail_at", [("micro", "auto", 3), ("exact", "passes", 7), ("exact", "layerwise", 3)])
+@pytest.mark.parametrize("bn,schedule,fail_at", [
+    ("micro", "auto", 3), ("exact", "passes", 7), ("exact", "layerwise", 3),
+])
 def test_failure_part_way_changes_nothing(primed, bn, schedule, fail_at):
     model, batch, snap = primed
-    threads = threading.active_count()
+    twin, threads = copy.deepcopy(model), threading.active_count()
     seen = []
     def loss_fn(m, b):
         seen.append(1)
@@ -398,42 +341,15 @@ def test_failure_part_way_changes_nothing(primed, bn, schedule, fail_at):
         accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn, schedule=schedule)
     assert_unchanged(model, snap)
     assert threading.active_count() == threads  # no micro-batch's thread is left behind
-
-
-@pytest.mark.parametrize("schedule", ["layerwise", "passes"])
-def test_torch_batchnorm_needs_no_conversion(schedule):
-    ref = vgg(nn.Tanh).double()
-    ours = copy.deepcopy(ref)
-    batch = data((1, 16, 16), 10, torch.float64)
-    whole_batch(ref, batch)
-    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, schedule=schedule)
-    compare(ref, ours, 1e-9)
-    assert all(type(m) is nn.BatchNorm2d for m in ours.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    # Nothing of the failed call is left active: the model is torch's again, forward and running stats.
+    torch.testing.assert_close(model(batch[0]), twin(batch[0]), rtol=0, atol=0)
+    assert all(torch.equal(b, b2) for b, b2 in zip(model.buffers(), twin.buffers()))
 
 
 def test_one_value_per_channel_is_refused_like_torch():
     model = accumnorm.convert(mlp())
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         accumnorm.backward(model, data((64,), 1), ce_loss, micro_batch_size=1)
-
-
-def test_changing_batchnorm_calls_between_micro_batches_is_refused():
-    class Branchy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = accumnorm.BatchNorm1d(4), accumnorm.BatchNorm1d(4)
-            self.lin = nn.Linear(4, 10)
-        def forward(self, x):
-            x = self.a(x)
-            if x.shape[0] < 3:  # data-dependent control flow: the short last micro-batch skips a BN
-                return self.lin(x)
-            return self.lin(self.b(x))
-    for schedule in ("layerwise", "passes"):
-        model = Branchy()
-        with pytest.raises(ValueError, match="same sequence of BatchNorm calls"):
-            accumnorm.backward(model, data((4,), 8), ce_loss, micro_batch_size=3, schedule=schedule)
-        assert all(p.grad is None for p in model.parameters())
-        assert int(model.a.num_batches_tracked) == 0 and int(model.b.num_batches_tracked) == 0
 
 
 def test_auto_falls_back_to_passes_when_layerwise_runs_out_of_memory():
