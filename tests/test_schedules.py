@@ -3,7 +3,9 @@ people have them: unconverted torch, torchvision and timm models, SyncBatchNorm,
 
 schedule="layerwise" runs the micro-batches in lockstep and reduces at every BatchNorm call; schedule="passes"
 is the 2L+1-pass schedule. Both must leave .grad and every running statistic as one forward/backward of the
-whole batch through plain PyTorch does: float64 to 1e-9 with smooth activations, float32 to 1e-3.
+whole batch through plain PyTorch does: float64 to 1e-9 with smooth activations (ReLU's kink and max-pool's
+ties let rounding switch a gradient path), float32 to 1e-3 against float64 whole-batch torch, or to 4x torch's
+own float32 error where that is larger (mobilenet_v3_small's running means at batch 6: torch itself is 4e-3 off).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 import accumnorm
 from helpers import assert_unchanged, ce_loss, compare, compare_within_rounding, rel_err, snapshot, whole_batch
@@ -72,7 +75,6 @@ def no_dropout(model: nn.Module) -> nn.Module:
 
 # --- real networks --------------------------------------------------------------------------------
 
-@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
 def test_torchvision_float64_smooth(name, schedule):
@@ -80,7 +82,6 @@ def test_torchvision_float64_smooth(name, schedule):
     check(model, data(IMAGE, 4, torch.float64), 2, schedule, 1e-9)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
 def test_torchvision_float32(name, schedule):
@@ -88,7 +89,6 @@ def test_torchvision_float32(name, schedule):
     check(no_dropout(torchvision_model(name)), data(IMAGE, 6), 3, schedule, 1e-3)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-3)])
 def test_timm_batchnormact_matches_whole_batch(schedule, dtype, tol):
@@ -199,6 +199,26 @@ def test_auto_is_layerwise_on_an_ordinary_model_and_says_nothing():
         assert torch.equal(p.grad, q.grad)
 
 
+class PassThrough(TorchFunctionMode):
+    """A caller's TorchFunctionMode (a profiler, a FLOP counter): thread-local, so lockstep workers would miss it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_auto_falls_back_to_passes_with_a_warning_where_layerwise_cannot_run():
+    model = resnet(nn.Tanh).double()
+    with PassThrough(), pytest.warns(RuntimeWarning, match=r"cannot run here \(a PassThrough is active.*passes"):
+        check(model, data((1, 12, 12), 8, torch.float64), 3, "auto", 1e-9)
+
+
+def test_layerwise_where_it_cannot_run_names_the_reason_and_the_fallback(primed):
+    model, batch, snap = primed
+    with PassThrough(), pytest.raises(ValueError, match=r"PassThrough is active.*schedule='passes'"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="layerwise")
+    assert_unchanged(model, snap)
+
+
 class DropBN(nn.Module):
     """Dropout before and after BatchNorm."""
 
@@ -228,6 +248,20 @@ def test_dropout_schedules_draw_the_same_masks():
     with pytest.raises(AssertionError):  # another seed draws other masks: the check above can fail
         compare(a, c, 1e-3)
 
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_step_is_reproducible_bit_for_bit(schedule):
+    """Same seed, same step: the lockstep threads take turns, so no thread timing reaches the arithmetic."""
+    model = DropBN().double()
+    batch = data((1, 8, 8), 10, torch.float64)
+    grads = []
+    for _ in range(2):
+        m = copy.deepcopy(model)
+        torch.manual_seed(7)
+        accumnorm.backward(m, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+        grads.append([p.grad for p in m.parameters()] + list(m.buffers()))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 # --- bad input: a clear error, and nothing changed ----------------------------------------------------
 
