@@ -15,6 +15,7 @@ from typing import Any
 import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from .alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
 from .batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
 
@@ -31,8 +32,13 @@ _FACTORIES: dict[str, Callable[..., nn.Module]] = {
     "in3d": lambda c, **kw: InstanceNorm3d(c, **{"affine": True, **kw}),
     "ln": LayerNorm,
     "none": lambda c, **kw: nn.Identity(),
+    "brn": BatchRenorm2d,
+    "bn-stale": StaleBatchNorm2d,
+    "frn": FilterResponseNorm2d,
+    "evonorm-s0": EvoNorm2dS0,
 }
-NORM_NAMES = ("bn", "bn1d", "bn2d", "bn3d", "gn<G>", "in", "in1d", "in2d", "in3d", "ln", "none")
+NORM_NAMES = ("bn", "bn1d", "bn2d", "bn3d", "gn<G>", "in", "in1d", "in2d", "in3d", "ln", "none",
+              "brn", "bn-stale", "frn", "evonorm-s0")
 _GN = re.compile(r"gn(\d+)")
 
 
@@ -41,7 +47,9 @@ def norm(name: str, num_features: int | None = None, **kwargs: Any) -> nn.Module
 
     Names: "bn" (accumnorm.BatchNorm2d; "bn1d"/"bn3d" for other ranks), "gn<G>" (GroupNorm with G
     groups, e.g. "gn4", "gn16"), "in" (InstanceNorm2d with affine=True; "in1d"/"in3d"), "ln"
-    (LayerNorm over the channel dim), "none" (Identity). kwargs go to the layer's constructor.
+    (LayerNorm over the channel dim), "none" (Identity); the alternatives to BatchNorm "brn"
+    (BatchRenorm2d), "bn-stale" (StaleBatchNorm2d), "frn" (FilterResponseNorm2d, with TLU),
+    "evonorm-s0" (EvoNorm2dS0). kwargs go to the layer's constructor.
     """
     if not isinstance(name, str):
         raise TypeError(f"norm name must be a str, got {type(name).__name__} {name!r}")

@@ -8,7 +8,9 @@ the same weights (for the same norm) and sees the same samples: cells differ by 
 being studied, not by luck. Differences from the study's loop, none of which changes the
 arithmetic of a step: data preloaded as tensors, the data order an endless stream of
 permutations (no short last batch at an epoch's end), train_loss the mean over all
-micro-batches since the previous evaluation, and the runs of a cell trained side by side.
+micro-batches since the previous evaluation, the runs of a cell trained side by side, and
+plain-accumulation steps of models that allow it computed as one forward/backward of the whole
+batch with BatchNorm in ghost batches of B (see fused.py: the same computation, proven by tests).
 
 On a CPU the cells also run in parallel, in worker processes that split the thread budget
 (torch.get_num_threads()) between them: at micro-batch 1 a step is a long chain of small
@@ -42,6 +44,7 @@ import accumnorm
 
 from . import store
 from .data import Dataset, load_dataset
+from .fused import fusable, use_ghost_batches
 from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 from .report import write_report
 from .settings import StudySettings, parse_config
@@ -82,6 +85,7 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     data_dir = None if settings.dataset == "digits" or settings.data_dir is None else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
     data = load_dataset(settings.dataset, settings.data_dir).to(device)  # may fail: nothing written yet (workers load their own)
+    _check_configs(settings, len(data.train_x))
     store.open_out(out, settings.to_json())
 
     done = {(r["norm"], r["batch_size"], r["num_accum"], r["run"]) for r in store.read_results(out)}
@@ -106,6 +110,14 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     bar.close()
     write_report(out, settings, store.read_results(out), failures, device=str(device), workers=workers, threads=threads)
     return out
+
+
+def _check_configs(settings: StudySettings, train_size: int) -> None:
+    """Refuse, before anything runs, configs whose micro-batch the training set cannot fill."""
+    too_big = [c for c in settings.configs if parse_config(c)[0] > train_size]
+    if too_big:
+        raise ValueError(f"configs {', '.join(too_big)} have micro-batches larger than the {train_size} training "
+                         f"samples of {settings.dataset}: expected B <= {train_size}")
 
 
 def _parallelism(workers: int | None, device: torch.device, tasks: int) -> tuple[int, int]:
@@ -263,9 +275,13 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
         torch.manual_seed(settings.seed + r)  # run r starts exactly where a lone SimpleModel under this seed would
         models.append(SimpleModel(norm_fn(name), in_channels=data.train_x.shape[1], num_classes=data.num_classes))
     bn_mode = "exact" if name == EXACT_BN else "micro"  # "micro": per-micro-batch statistics, as the study
-    # Plain accumulation runs each micro-batch's backward once: conv weight gradients can wait for one call per step.
-    model = (StackedModel(models, defer_weight_grads=bn_mode == "micro") if len(models) > 1
+    # A plain-accumulation step is one whole-batch forward with ghost batches where the layers allow it.
+    fused = bn_mode == "micro" and fusable(models[0])
+    # Else plain accumulation runs each micro-batch's backward once: conv weight gradients can wait for one call per step.
+    model = (StackedModel(models, defer_weight_grads=bn_mode == "micro" and not fused) if len(models) > 1
              else SingleRun(models[0])).to(device)
+    if fused:
+        use_ghost_batches(model, b)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     order = data_order(len(data.train_x), settings.iterations, b * k, [settings.seed + r for r in runs]).to(device)
 
@@ -284,7 +300,12 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
     rows, start = [], time.perf_counter()
     for it in range(1, settings.iterations + 1):
         idx = order[:, it - 1].T  # (B*K, R): sample n of the effective batch, one per run
-        accumnorm.backward(model, (data.train_x[idx], data.train_y[idx]), loss_fn, micro_batch_size=b, bn=bn_mode)
+        batch = (data.train_x[idx], data.train_y[idx])
+        if fused:
+            loss_fn(model, batch).backward()  # the mean over the whole batch: plain accumulation's gradient
+        else:
+            accumnorm.backward(model, batch, loss_fn, micro_batch_size=b, bn=bn_mode)
+            _end_step(model)
         if isinstance(model, StackedModel):
             model.flush_weight_grads()
         optimizer.step()
@@ -298,6 +319,17 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
                           valid_acc=acc[i], seconds=seconds) for i, r in enumerate(runs)]
             loss_sum, forwards = torch.zeros_like(loss_sum), 0
     return rows
+
+
+def _end_step(model: nn.Module) -> None:
+    """Tell the layers that keep per-step state (StaleBatchNorm2d) that the step's forwards are over.
+
+    NOTE: the reworked core calls accumnorm_step_end itself after every successful accumnorm.backward;
+    until it is merged the runner does. Step ends are idempotent, so a second call changes nothing.
+    """
+    for m in model.modules():
+        if hasattr(m, "accumnorm_step_end"):
+            m.accumnorm_step_end()
 
 
 def data_order(n: int, steps: int, per_step: int, seeds: Iterable[int]) -> torch.Tensor:
