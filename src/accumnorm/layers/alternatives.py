@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
 
 from .lazy import LazyNormMixin, check_num_features
 
@@ -36,14 +37,32 @@ class _ChannelNorm(LazyNormMixin, nn.Module):
         self.num_features = num_features
         self._inits = {**params, **buffers}
         factory_kwargs = {"device": device, "dtype": dtype}
+        lazy = num_features is None
         for name in params:
-            setattr(self, name, nn.Parameter(torch.empty(num_features or 0, **factory_kwargs)))
+            setattr(self, name, UninitializedParameter(**factory_kwargs) if lazy
+                    else nn.Parameter(torch.empty(num_features, **factory_kwargs)))
         for name in buffers:
-            self.register_buffer(name, torch.empty(num_features or 0, **factory_kwargs))
-        self._init_lazy(num_features is None, tuple(params), tuple(buffers), factory_kwargs)
-        for name in work:
-            self.register_buffer(name, getattr(self, name), persistent=False)
+            self.register_buffer(name, UninitializedBuffer(**factory_kwargs) if lazy
+                                 else torch.empty(num_features, **factory_kwargs), persistent=name not in work)
+        if not lazy:  # an ordinary module: no lazy hooks
+            self._initialize_hook.remove()
+            self._load_hook.remove()
         self.reset_parameters()
+
+    def initialize_parameters(self, input: Tensor) -> None:  # type: ignore[override]
+        """Called by the lazy pre-forward hook: learn C from the first input; materialize at initial values.
+
+        Tensors that a state_dict loaded before the first forward materialized keep their values and fix C.
+        """
+        self._check_input_dim(input)
+        loaded = [t for t in self.parameters(recurse=False) if not is_lazy(t)]
+        c = loaded[0].shape[0] if loaded else input.shape[1]
+        with torch.no_grad():
+            for name, tensor in [*self._parameters.items(), *self._buffers.items()]:
+                if is_lazy(tensor):
+                    tensor.materialize((c,))
+                    tensor.fill_(self._inits[name])
+        self.num_features = c
 
     def reset_parameters(self) -> None:
         """Every per-channel tensor back to its initial value (nothing to do while lazy)."""
