@@ -15,7 +15,10 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+
+from .functional import Moments, combine_moments
 
 # A rank that dies or stops calling collectives makes the others fail after this long instead of
 # waiting forever (torch's own default is 30 minutes with gloo).
@@ -125,3 +128,41 @@ def all_gather_object(obj: Any, group: ProcessGroup | None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def unwrap_ddp(model: nn.Module, process_group: ProcessGroup | None) -> tuple[nn.Module, ProcessGroup | None]:
+    """A DDP-wrapped model runs as its inner module: ``accumnorm.backward`` reduces gradients itself, once per step."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module, process_group if process_group is not None else model.process_group
+    return model, process_group
+
+
+class Collectives:
+    """The reductions of one ``accumnorm.backward`` call over a process group; no-ops without one."""
+
+    def __init__(self, group: ProcessGroup | None) -> None:
+        self.group = group
+
+    def sum_(self, t: Tensor) -> Tensor:
+        """Sum ``t`` over the ranks, in place."""
+        if self.group is not None:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def merge_moments(self, m: Moments) -> Moments:
+        """This rank's moments merged with every other rank's (one all_gather)."""
+        if self.group is None:
+            return m
+        flat = m.pack()
+        out = [torch.empty_like(flat) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(out, flat, group=self.group)
+        return combine_moments(Moments.unpack(torch.stack(out)))
+
+    def sum_grads_(self, params: list[nn.Parameter]) -> None:
+        """Sum this step's gradients over the ranks in one flat all-reduce (unused parameters count as 0)."""
+        if self.group is None or not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.sum_(torch.cat([g.reshape(-1) for g in grads]))
+        for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
+            p.grad = chunk.view_as(p).clone() if p.grad is None else p.grad.copy_(chunk.view_as(p))

@@ -16,13 +16,14 @@ that bf16/fp16 autocast never degrades them.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Moments", "moments", "combine_moments", "GradSums", "normalize"]
+__all__ = ["Moments", "moments", "combine_moments", "stack_moments", "GradSums", "normalize", "normalize_joint"]
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -89,6 +90,12 @@ def combine_moments(parts: Moments) -> Moments:
     return Moments(n, mean, m2)
 
 
+def stack_moments(parts: list[Moments]) -> Moments:
+    """Moments of several sets (micro-batches) merged into one set."""
+    return combine_moments(Moments(torch.stack([p.count for p in parts]), torch.stack([p.mean for p in parts]),
+                                   torch.stack([p.m2 for p in parts])))
+
+
 class GradSums:
     """The whole-batch backward terms of one BatchNorm call: sum(dy) and sum(dy * x_hat) per channel.
 
@@ -152,3 +159,58 @@ def normalize(
 ) -> Tensor:
     """BatchNorm of x with given (whole-batch) statistics; its backward collects into or uses `sums`."""
     return _Normalize.apply(x, weight, bias, mean, var, eps, sums)
+
+
+class _NormalizeJoint(torch.autograd.Function):
+    """BatchNorm of K micro-batches with their joint statistics, as one autograd node.
+
+    One node for all K means autograd calls its backward once every micro-batch's dy is known: the
+    exact backward needs sum(dy) and sum(dy * x_hat) over the whole batch before any dx.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, bias, mean, var, eps, count, reduce_sums, *xs):  # type: ignore[override]
+        ctx.save_for_backward(weight, mean, var, *xs)
+        ctx.eps, ctx.count, ctx.reduce_sums = eps, count, reduce_sums
+        return tuple(F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps) for x in xs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *dys):  # type: ignore[override]
+        weight, mean, var, *xs = ctx.saved_tensors
+        invstd = torch.rsqrt(var + ctx.eps)
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+
+        def x_hat(x: Tensor) -> Tensor:  # recomputed rather than kept: one micro-batch's worth at a time
+            return (x.to(mean.dtype) - mean.view(_channel_shape(x))) * invstd.view(_channel_shape(x))
+
+        sum_dy, sum_dy_xhat = torch.zeros_like(mean), torch.zeros_like(mean)
+        for x, dy in zip(xs, dys):
+            dims, dy_acc = _reduce_dims(x), dy.to(mean.dtype)
+            sum_dy += dy_acc.sum(dims)
+            sum_dy_xhat += (dy_acc * x_hat(x)).sum(dims)
+        # The parameter gradients are this rank's share (the step all-reduces gradients once); the
+        # input gradients need the sums of every rank.
+        grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[0] else None
+        grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        sum_dy, sum_dy_xhat = ctx.reduce_sums(torch.cat([sum_dy, sum_dy_xhat])).chunk(2)
+        dxs = []
+        for i, (x, dy) in enumerate(zip(xs, dys)):
+            if not ctx.needs_input_grad[7 + i]:
+                dxs.append(None)
+                continue
+            shape = _channel_shape(x)
+            dx = dy.to(mean.dtype) - (sum_dy.view(shape) + x_hat(x) * sum_dy_xhat.view(shape)) / ctx.count
+            dxs.append((dx * scale.view(shape)).to(x.dtype))
+        return (grad_w, grad_b, None, None, None, None, None, *dxs)
+
+
+def normalize_joint(
+    xs: list[Tensor], stats: Moments, weight: Tensor | None, bias: Tensor | None, eps: float,
+    reduce_sums: Callable[[Tensor], Tensor] = lambda t: t,
+) -> tuple[Tensor, ...]:
+    """BatchNorm of each micro-batch in `xs` with the whole batch's `stats`, back-propagating as one batch.
+
+    `reduce_sums` sums the backward's per-channel sums over other ranks (identity on one process).
+    """
+    return _NormalizeJoint.apply(weight, bias, stats.mean, stats.var, eps, stats.count, reduce_sums, *xs)

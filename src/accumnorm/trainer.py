@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import distributed
-from .accumulation import backward, unwrap_ddp
+from .accumulation import backward
+from .distributed import unwrap_ddp
 
 try:
     from tqdm.auto import tqdm
@@ -44,15 +45,17 @@ class Trainer:
     ``loss_fn(model, micro_batch)`` returns the mean loss over a micro-batch. ``amp`` is None,
     "bf16" (CPU and CUDA autocast) or "fp16" (CUDA autocast with a GradScaler, whose scale holds for
     all micro-batches of a step; a step with inf/nan gradients is skipped, the scheduler's too).
-    ``max_grad_norm`` clips the total norm of the unscaled gradient. ``process_group`` defaults to the model's own when it is wrapped in
-    DistributedDataParallel, else to the default group when torch.distributed is initialized.
+    ``max_grad_norm`` clips the total norm of the unscaled gradient. ``process_group`` defaults to the
+    model's own when it is wrapped in DistributedDataParallel, else to the default group when
+    torch.distributed is initialized. ``bn``, ``schedule`` and ``store`` go to ``accumnorm.backward``.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, micro_batch_size: int,
                  bn: str = "exact", scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  max_grad_norm: float | None = None, amp: str | None = None,
-                 process_group: ProcessGroup | None = None):
+                 process_group: ProcessGroup | None = None, schedule: str = "auto",
+                 store: str | torch.device | None = None):
         # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
         model, process_group = unwrap_ddp(model, process_group)
         if process_group is None and dist.is_initialized():
@@ -67,7 +70,7 @@ class Trainer:
                              f"torch.amp.GradScaler), but it is on {self.device}; use amp='bf16' on CPU")
         self.model, self.optimizer, self.loss_fn, self.scheduler = model, optimizer, loss_fn, scheduler
         self.micro_batch_size, self.bn, self.max_grad_norm, self.amp = micro_batch_size, bn, max_grad_norm, amp
-        self.process_group = process_group
+        self.process_group, self.schedule, self.store = process_group, schedule, store
         self.rank, self.world_size = distributed.rank_and_size(process_group)
         self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=AMP_DTYPES[amp])
@@ -89,7 +92,8 @@ class Trainer:
         with self.autocast():
             # the gradient of the mean loss over the whole global batch, summed across ranks inside
             loss = backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
-                            process_group=self.process_group, grad_scaler=self.scaler)
+                            schedule=self.schedule, store=self.store, process_group=self.process_group,
+                            grad_scaler=self.scaler)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
         if self.max_grad_norm is not None:

@@ -1,11 +1,9 @@
 """BatchNorm that is exact under gradient accumulation: BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d.
 
 Each class subclasses torch's layer of the same name (and so `_BatchNorm`): code that finds BN layers
-by type still finds them, and state_dicts interchange with torch's. Outside `accumnorm.backward` they
-*are* torch's BatchNorm, call for call. Inside `accumnorm.backward(..., bn="exact")` the accumulation
-engine attaches a plan to every layer for the duration of the call, and each training-mode call
-normalizes with, and back-propagates through, the statistics of the whole batch
-(see `accumnorm.accumulation`).
+by type still finds them, and state_dicts interchange with torch's. They *are* torch's BatchNorm, call
+for call: `accumnorm.backward(..., bn="exact")` makes every batch-norm call exact, these layers' and
+torch's own alike (see `accumnorm.intercept`). What they add is the safe constructor: channels first.
 
 `num_features` comes first and may be None: the layer then infers it from its first input.
 """
@@ -21,21 +19,11 @@ __all__ = ["BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
 
 
 class _AccumBatchNorm(LazyNormBase, _BatchNorm):
-    """Shared body of accumnorm's BatchNorm layers (torch's `_BatchNorm` plus laziness and the plan hook)."""
-
-    # Set on the instance by accumnorm.backward(bn="exact") for the duration of one call.
-    _accum_plan = None
-
-    def uses_batch_stats(self) -> bool:
-        """True where torch's BatchNorm normalizes with batch statistics (training, or no running stats)."""
-        return self.training or (self.running_mean is None and self.running_var is None)
+    """Shared body of accumnorm's BatchNorm layers: torch's `_BatchNorm` plus laziness and a channel check."""
 
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
         self._check_channels(input)
-        plan = self._accum_plan
-        if plan is not None and self.uses_batch_stats():
-            return plan.batch_norm(self, input)
         return super().forward(input)
 
 
