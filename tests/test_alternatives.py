@@ -1,4 +1,4 @@
-"""The alternatives to BatchNorm: oracle formulas, timm agreement, train/eval, state_dict, lazy channels, the factory."""
+"""The alternatives to BatchNorm: oracle formulas, timm's outputs, train/eval, state_dict, lazy channels, factory."""
 import copy
 
 import pytest
@@ -91,8 +91,8 @@ def test_batch_renorm_during_warmup_is_torch_batchnorm():
         x = _x(seed=step).requires_grad_()
         y, y_ref = ours(x), ref(x)
         torch.testing.assert_close(y, y_ref)
-        g, g_ref = (torch.autograd.grad(out.square().sum(), [x, m.weight, m.bias]) for out, m in ((y, ours), (y_ref, ref)))
-        for a, b in zip(g, g_ref):
+        grads = [torch.autograd.grad(out.square().sum(), [x, m.weight, m.bias]) for out, m in ((y, ours), (y_ref, ref))]
+        for a, b in zip(*grads):
             torch.testing.assert_close(a, b)
     for key in ("running_mean", "running_var", "num_batches_tracked"):
         torch.testing.assert_close(ours.state_dict()[key], ref.state_dict()[key])
@@ -166,7 +166,7 @@ def test_stale_batchnorm_normalizes_with_the_previous_steps_whole_batch_statisti
 
 
 def test_stale_batchnorm_through_accumnorm_backward():
-    """In a model trained with accumnorm.backward, the step's moments become the next step's statistics."""
+    """accumnorm.backward ends the step: its moments are the next step's statistics; a failed step changes nothing."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), StaleBatchNorm2d(8), torch.nn.ReLU(), torch.nn.Flatten(),
                                 torch.nn.LazyLinear(4)).double()
@@ -175,13 +175,15 @@ def test_stale_batchnorm_through_accumnorm_backward():
     bn = model[1]
     bn.step_count.zero_(), bn.step_mean.zero_(), bn.step_m2.zero_()
     accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=2, bn="exact")
-    for m in model.modules():  # NOTE: the reworked core makes this call itself; step ends are idempotent
-        if hasattr(m, "accumnorm_step_end"):
-            m.accumnorm_step_end()
     with torch.no_grad():
         h = model[0](x)
     torch.testing.assert_close(bn.stale_mean, h.mean((0, 2, 3)))
     torch.testing.assert_close(bn.stale_var, h.var((0, 2, 3), unbiased=False))
+    before = {k: t.clone() for k, t in bn._buffers.items()}
+    with pytest.raises(ValueError, match="not finite"):
+        accumnorm.backward(model, (x, y), lambda m, b: m(b[0]).sum() * float("nan"), micro_batch_size=2, bn="exact")
+    for k, t in bn._buffers.items():
+        assert torch.equal(t, before[k]), k
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -2,7 +2,6 @@
 import json
 
 import pytest
-
 from torch import nn
 
 import accumnorm.study
@@ -21,7 +20,8 @@ def test_bad_config_string_is_a_clear_error_and_writes_nothing(tmp_path, capsys)
 
 def test_quick_grid_is_the_default_and_options_override_it(monkeypatch):
     seen = {}
-    monkeypatch.setattr(accumnorm.study, "run_study", lambda out, settings, **kw: seen.update(out=out, settings=settings, **kw))
+    monkeypatch.setattr(accumnorm.study, "run_study",
+                        lambda out, settings, **kw: seen.update(out=out, settings=settings, **kw))
     assert main(["study", "--quick", "--runs", "1", "--norms", "bn, gn16"]) == 0
     s = seen["settings"]
     assert (s.dataset, s.configs, s.iterations, s.eval_every) == ("digits16", ("16x1", "1x16"), 260, 65)
@@ -29,7 +29,8 @@ def test_quick_grid_is_the_default_and_options_override_it(monkeypatch):
                                                                                   True, None)
     assert main(["study", "--dataset", "fashion-mnist", "--no-progress", "--workers", "1"]) == 0
     s = seen["settings"]
-    assert (s.dataset, s.iterations, s.eval_every, s.runs, "bn-exact" in s.norms) == ("fashion-mnist", 3600, 300, 3, True)
+    assert (s.dataset, s.iterations, s.eval_every, s.runs, "bn-exact" in s.norms) == ("fashion-mnist", 3600, 300, 3,
+                                                                                       True)
     assert (seen["out"], seen["progress"], seen["workers"]) == ("study-out/fashion-mnist", False, 1)
 
 
@@ -52,7 +53,8 @@ def test_a_tiny_study_from_the_command_line(tmp_path):
             "--eval-every", "1", "--lr", "0.01", "--seed", "3", "--device", "cpu", "--threads", "1",
             "--out", str(out), "--no-progress"]
     assert main(args) == 0
-    assert {p.name for p in out.iterdir()} == {"results.csv", "summary.md", "curves.png", "report.html", "settings.json"}
+    files = {"results.csv", "summary.md", "curves.png", "report.html", "settings.json"}
+    assert {p.name for p in out.iterdir()} == files
     assert json.loads((out / "settings.json").read_text()) == dict(
         dataset="digits16", data_dir=None, norms=["none"], configs=["2x2"], runs=1, iterations=2, eval_every=1,
         lr=0.01, seed=3)

@@ -1,4 +1,4 @@
-"""Oracle tests: a plain-accumulation step as one whole-batch forward (ghost batches) equals the literal K-micro-batch loop."""
+"""Oracle tests: a plain-accumulation step as one whole-batch forward (ghost batches) equals the K-micro-batch loop."""
 import copy
 import csv
 
@@ -63,7 +63,8 @@ def test_ghost_batch_steps_equal_the_micro_batch_loop(name, b, k, momentum):
     state_ref, state_ours = ref.state_dict(), ours.state_dict()
     assert state_ref.keys() == state_ours.keys()
     for key in state_ref:
-        torch.testing.assert_close(state_ours[key], state_ref[key], rtol=1e-7, atol=1e-9, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(state_ours[key], state_ref[key], rtol=1e-7, atol=1e-9,
+                                   msg=lambda m, key=key: f"{key}: {m}")
     if name == "bn":
         assert int(ours.features[1].num_batches_tracked) == 3 * k
     ref.eval(), ours.eval()
@@ -92,14 +93,15 @@ def test_ghost_batches_of_a_stacked_model_equal_the_micro_batch_loop():
         (loss(ref, xm, ym) / 4).backward()
     loss(ours, x, y).backward()
     for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")
     for (n, p), q in zip(ref.named_buffers(), ours.buffers()):
-        torch.testing.assert_close(q, p, rtol=1e-9, atol=1e-12, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(q, p, rtol=1e-9, atol=1e-12, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_the_runner_gives_the_same_results_fused_or_looped(tmp_path, monkeypatch):
     """End to end in float32: the runner's fused cells against the same cells forced through accumnorm.backward."""
-    settings = StudySettings(dataset="digits", norms=("bn", "gn4"), configs=("2x4",), runs=2, iterations=4, eval_every=2)
+    settings = StudySettings(dataset="digits", norms=("bn", "gn4"), configs=("2x4",), runs=2, iterations=4,
+                             eval_every=2)
     run_study(tmp_path / "fused", settings, progress=False, workers=1)
     monkeypatch.setattr(runner, "fusable", lambda model: False)
     run_study(tmp_path / "loop", settings, progress=False, workers=1)

@@ -51,7 +51,8 @@ def test_stacked_outputs_and_gradients_equal_separate_runs(name):
         torch.testing.assert_close(out[:, r], m(x[:, r]), rtol=1e-4, atol=1e-5)
         F.cross_entropy(m(x[:, r]), y[:, r]).backward()
         for (pn, p), q in zip(m.named_parameters(), stacked.parameters()):
-            torch.testing.assert_close(_block(q.grad, r).reshape(p.shape), p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{pn}: {m}")
+            torch.testing.assert_close(_block(q.grad, r).reshape(p.shape), p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, pn=pn: f"{pn}: {m}")
 
 
 @pytest.mark.parametrize("name,bn", [("bn", "micro"), ("bn-exact", "exact"), ("gn4", "micro")])
@@ -80,7 +81,8 @@ def test_training_steps_with_adam_equal_separate_runs(name, bn):
     for r, m in enumerate(models):
         for (pn, p), q in zip(m.state_dict().items(), stacked.state_dict().values()):
             if p.dim():
-                torch.testing.assert_close(_block(q, r).reshape(p.shape), p, rtol=1e-6, atol=1e-6, msg=lambda m: f"{pn}: {m}")
+                torch.testing.assert_close(_block(q, r).reshape(p.shape), p, rtol=1e-6, atol=1e-6,
+                                           msg=lambda m, pn=pn: f"{pn}: {m}")
         torch.testing.assert_close(stacked(x)[:, r], m.eval()(x[:, r]), rtol=1e-6, atol=1e-6)
 
 

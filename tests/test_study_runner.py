@@ -59,7 +59,8 @@ def test_grid_writes_every_file_and_reports_the_cell_that_cannot_run(tmp_path):
 def test_stacked_runs_match_runs_trained_alone(tmp_path):
     """Run 1 of a 2-run study (seed 0, trained stacked with run 0) is run 0 of a 1-run study with seed 1."""
     for name in ("bn", "gn4"):
-        run_study(tmp_path / f"{name}-two", StudySettings(norms=(name,), configs=("4x2",), seed=0, **TINY), progress=False)
+        two = StudySettings(norms=(name,), configs=("4x2",), seed=0, **TINY)
+        run_study(tmp_path / f"{name}-two", two, progress=False)
         alone = StudySettings(norms=(name,), configs=("4x2",), seed=1, **{**TINY, "runs": 1})
         run_study(tmp_path / f"{name}-one", alone, progress=False)
         stacked = [r for r in _rows(tmp_path / f"{name}-two") if r["run"] == "1"]

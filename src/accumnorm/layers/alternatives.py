@@ -124,8 +124,8 @@ class BatchRenorm2d(_ChannelNorm):
                  r_max: float = 3.0, d_max: float = 5.0, warmup: int = 5000, r_max_at: int = 40000,
                  d_max_at: int = 25000, device: Any = None, dtype: torch.dtype | None = None) -> None:
         if not (r_max >= 1 and d_max >= 0 and 0 <= warmup <= min(r_max_at, d_max_at)):
-            raise ValueError(f"expected r_max >= 1, d_max >= 0 and 0 <= warmup <= r_max_at, d_max_at, got r_max={r_max}, "
-                             f"d_max={d_max}, warmup={warmup}, r_max_at={r_max_at}, d_max_at={d_max_at}")
+            raise ValueError(f"expected r_max >= 1, d_max >= 0 and 0 <= warmup <= r_max_at, d_max_at, got "
+                             f"r_max={r_max}, d_max={d_max}, warmup={warmup}, r_max_at={r_max_at}, d_max_at={d_max_at}")
         super().__init__(num_features, {"weight": 1.0, "bias": 0.0}, {"running_mean": 0.0, "running_var": 1.0},
                          device, dtype)
         self.eps, self.momentum = eps, momentum
@@ -163,8 +163,8 @@ class BatchRenorm2d(_ChannelNorm):
         return out
 
     def extra_repr(self) -> str:
-        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, r_max={self.r_max}, d_max={self.d_max}, "
-                f"warmup={self.warmup}, r_max_at={self.r_max_at}, d_max_at={self.d_max_at}")
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, r_max={self.r_max}, "
+                f"d_max={self.d_max}, warmup={self.warmup}, r_max_at={self.r_max_at}, d_max_at={self.d_max_at}")
 
 
 class StaleBatchNorm2d(_ChannelNorm):

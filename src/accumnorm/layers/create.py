@@ -77,7 +77,8 @@ def _swap(module: nn.Module, mapping: dict[type, type]) -> nn.Module:
     cls = mapping.get(type(module))
     if cls is not None:
         if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
-            raise ValueError(f"cannot convert {module._get_name()} before its lazy shape is known; run one forward first")
+            raise ValueError(f"cannot convert {module._get_name()} before its lazy shape is known; "
+                             "run one forward first")
         out = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
         # The very same Parameter and buffer objects: optimizers and hooks that hold them stay valid.
         out.weight, out.bias = module.weight, module.bias

@@ -104,7 +104,7 @@ def ghost_batch_norm(module: _BatchNorm, x: Tensor, size: int) -> Tensor:
 
 @torch.no_grad()
 def _update_in_order(module: _BatchNorm, mean: Tensor, var: Tensor, k: int) -> None:
-    """Running statistics after K updates with the groups' (K*C,) statistics, as torch's BatchNorm does them one by one."""
+    """Running statistics after K updates with the groups' (K*C,) statistics, as torch's BatchNorm makes them."""
     n0 = int(module.num_batches_tracked)
     factors = [module.momentum if module.momentum is not None else 1.0 / (n0 + i) for i in range(1, k + 1)]
     # r_K = prod(1 - f_i) r_0 + sum_i f_i prod_{j > i}(1 - f_j) s_i: the K updates unrolled.

@@ -165,7 +165,8 @@ class StackedModel(nn.Module):
         if not all(stackable(m) for m in models):
             raise ValueError("these models mix channels (e.g. a channels-first LayerNorm) and cannot be stacked")
         self.runs = len(models)
-        self.features = nn.Sequential(*(_stack([m.features[i] for m in models]) for i in range(len(models[0].features))))
+        layers = range(len(models[0].features))
+        self.features = nn.Sequential(*(_stack([m.features[i] for m in models]) for i in layers))
         self.dense = _stack([m.dense for m in models])
         for conv in self.modules():
             if isinstance(conv, StackedConv2d):

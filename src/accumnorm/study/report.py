@@ -87,13 +87,13 @@ def finding(settings: StudySettings, rows: list[dict[str, Any]]) -> str | None:
             continue
         acc, one_go = config_label(b, k), config_label(b * k, 1)
         loss, noise = _difference(big, small)
-        text = (f"torch's BatchNorm (bn) at {acc} reaches {small.mean:.3f} validation accuracy against {big.mean:.3f} for "
-                f"the same batch in one go ({one_go}), {_versus(-loss, noise)}")
+        text = (f"torch's BatchNorm (bn) at {acc} reaches {small.mean:.3f} validation accuracy against "
+                f"{big.mean:.3f} for the same batch in one go ({one_go}), {_versus(-loss, noise)}")
         exact = results.get(("bn-exact", b, k))
         if exact is not None:
             gain, noise = _difference(exact, small)
-            text += (f"; accumnorm's exact BatchNorm (bn-exact) at {acc} reaches {exact.mean:.3f}, {_versus(gain, noise)}, "
-                     f"and {exact.mean - big.mean:+.3f} from the batch in one go")
+            text += (f"; accumnorm's exact BatchNorm (bn-exact) at {acc} reaches {exact.mean:.3f}, "
+                     f"{_versus(gain, noise)}, and {exact.mean - big.mean:+.3f} from the batch in one go")
         return text + "."
     return None
 
@@ -107,8 +107,9 @@ def _versus(gap: float, noise: float) -> str:
     return f"{gap:+.3f}, {'more' if abs(gap) > noise else 'not more'} than twice the spread over runs ({noise:.3f})"
 
 
-def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]], failures: dict[tuple[str, int, int], str],
-                 device: str, workers: int = 1, threads: int | None = None) -> None:
+def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]],
+                 failures: dict[tuple[str, int, int], str], device: str, workers: int = 1,
+                 threads: int | None = None) -> None:
     """Write summary.md, curves.png and report.html into `out` from the results rows.
 
     `workers` processes of `threads` torch threads each (default: this process's) trained the cells.

@@ -82,9 +82,11 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     device = _device(device)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers must be a positive int, got {workers!r}")
-    data_dir = None if settings.dataset == "digits" or settings.data_dir is None else str(Path(settings.data_dir).resolve())
+    offline = settings.dataset in ("digits", "digits16")
+    data_dir = None if offline or settings.data_dir is None else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
-    data = load_dataset(settings.dataset, settings.data_dir).to(device)  # may fail: nothing written yet (workers load their own)
+    # May fail: nothing written yet (workers load their own).
+    data = load_dataset(settings.dataset, settings.data_dir).to(device)
     _check_configs(settings, len(data.train_x))
     store.open_out(out, settings.to_json())
 
@@ -130,7 +132,7 @@ def _parallelism(workers: int | None, device: torch.device, tasks: int) -> tuple
 
 
 def _attempt(task: Task, data: Dataset, settings: StudySettings, on_step: Callable[[int], None]) -> Outcome:
-    """Train `task`; a ValueError or RuntimeError (e.g. torch's BatchNorm on a 1x1 map at micro-batch 1) is its outcome."""
+    """Train `task`; a ValueError or RuntimeError (torch's BatchNorm on a 1x1 map at micro-batch 1) is its outcome."""
     try:
         return _train(task.name, task.b, task.k, task.runs, data, settings, on_step)
     except (ValueError, RuntimeError) as err:
@@ -277,7 +279,8 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
     bn_mode = "exact" if name == EXACT_BN else "micro"  # "micro": per-micro-batch statistics, as the study
     # A plain-accumulation step is one whole-batch forward with ghost batches where the layers allow it.
     fused = bn_mode == "micro" and fusable(models[0])
-    # Else plain accumulation runs each micro-batch's backward once: conv weight gradients can wait for one call per step.
+    # Else plain accumulation runs each micro-batch's backward once: conv weight gradients can wait for one
+    # call per step.
     model = (StackedModel(models, defer_weight_grads=bn_mode == "micro" and not fused) if len(models) > 1
              else SingleRun(models[0])).to(device)
     if fused:
@@ -304,8 +307,7 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
         if fused:
             loss_fn(model, batch).backward()  # the mean over the whole batch: plain accumulation's gradient
         else:
-            accumnorm.backward(model, batch, loss_fn, micro_batch_size=b, bn=bn_mode)
-            _end_step(model)
+            accumnorm.backward(model, batch, loss_fn, micro_batch_size=b, bn=bn_mode)  # ends the step of bn-stale
         if isinstance(model, StackedModel):
             model.flush_weight_grads()
         optimizer.step()
@@ -319,17 +321,6 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
                           valid_acc=acc[i], seconds=seconds) for i, r in enumerate(runs)]
             loss_sum, forwards = torch.zeros_like(loss_sum), 0
     return rows
-
-
-def _end_step(model: nn.Module) -> None:
-    """Tell the layers that keep per-step state (StaleBatchNorm2d) that the step's forwards are over.
-
-    NOTE: the reworked core calls accumnorm_step_end itself after every successful accumnorm.backward;
-    until it is merged the runner does. Step ends are idempotent, so a second call changes nothing.
-    """
-    for m in model.modules():
-        if hasattr(m, "accumnorm_step_end"):
-            m.accumnorm_step_end()
 
 
 def data_order(n: int, steps: int, per_step: int, seeds: Iterable[int]) -> torch.Tensor:
