@@ -177,7 +177,7 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path, kwargs, message)
 
 
 def test_unknown_dataset(tmp_path):
-    with pytest.raises(ValueError, match="unknown dataset 'imagenet'; expected one of digits, mnist"):
+    with pytest.raises(ValueError, match="unknown dataset 'imagenet'; expected one of digits, digits16, mnist"):
         run_study(tmp_path / "out", StudySettings(dataset="imagenet"), progress=False)
     assert not (tmp_path / "out").exists()
 
