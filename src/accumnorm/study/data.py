@@ -13,7 +13,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+__all__ = ["Dataset", "load_dataset", "DATASETS", "OFFLINE", "DEFAULT_DATA_DIR"]
+
 DATASETS = ("digits", "digits16", "mnist", "fashion-mnist", "cifar10")
+OFFLINE = ("digits", "digits16")  # bundled with scikit-learn: no data_dir
 DEFAULT_DATA_DIR = Path.home() / ".cache" / "accumnorm" / "data"
 
 

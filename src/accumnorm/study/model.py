@@ -31,6 +31,9 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 import accumnorm
 from accumnorm.layers.alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
 
+__all__ = ["SimpleModel", "StackedModel", "StackedConv2d", "SingleRun", "norm_fn", "stackable", "STUDY_NORMS",
+           "EXACT_BN", "NormFn"]
+
 NormFn = Callable[[int], nn.Module]
 
 # The study's own normalizations, as its loop builds them (torch modules, torch defaults).

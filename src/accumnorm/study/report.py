@@ -23,6 +23,8 @@ import torch
 from .settings import StudySettings, parse_config
 from .store import atomic_write
 
+__all__ = ["write_report", "summary_cells", "cell_results", "finding", "config_label", "Cell", "AFTER_STEP"]
+
 AFTER_STEP = 250  # the study averages the evaluations after this step: the first ones are still warming up
 
 

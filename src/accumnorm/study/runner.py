@@ -43,11 +43,13 @@ from torch import nn
 import accumnorm
 
 from . import store
-from .data import Dataset, load_dataset
+from .data import OFFLINE, Dataset, load_dataset
 from .fused import fusable, use_ghost_batches
 from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 from .report import write_report
 from .settings import StudySettings, parse_config
+
+__all__ = ["run_study", "data_order", "evaluate", "Task", "EVAL_BATCH"]
 
 EVAL_BATCH = 256  # validation images per forward: big enough to amortize calls, small enough for R-wide maps
 
@@ -82,8 +84,8 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     device = _device(device)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers must be a positive int, got {workers!r}")
-    offline = settings.dataset in ("digits", "digits16")
-    data_dir = None if offline or settings.data_dir is None else str(Path(settings.data_dir).resolve())
+    offline = settings.dataset in OFFLINE or settings.data_dir is None
+    data_dir = None if offline else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
     # May fail: nothing written yet (workers load their own).
     data = load_dataset(settings.dataset, settings.data_dir).to(device)
