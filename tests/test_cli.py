@@ -2,9 +2,14 @@
 import json
 
 import pytest
+from torch import nn
 
 import accumnorm.study
 from accumnorm.cli import QUICK, main
+from accumnorm.study import StudySettings
+from accumnorm.study.data import load_dataset
+from accumnorm.study.model import SimpleModel
+from accumnorm.study.report import AFTER_STEP
 
 
 def test_bad_config_string_is_a_clear_error_and_writes_nothing(tmp_path, capsys):
@@ -15,15 +20,31 @@ def test_bad_config_string_is_a_clear_error_and_writes_nothing(tmp_path, capsys)
 
 def test_quick_grid_is_the_default_and_options_override_it(monkeypatch):
     seen = {}
-    monkeypatch.setattr(accumnorm.study, "run_study", lambda out, settings, **kw: seen.update(out=out, settings=settings, **kw))
+    monkeypatch.setattr(accumnorm.study, "run_study",
+                        lambda out, settings, **kw: seen.update(out=out, settings=settings, **kw))
     assert main(["study", "--quick", "--runs", "1", "--norms", "bn, gn16"]) == 0
     s = seen["settings"]
-    assert (s.dataset, s.configs, s.iterations, s.eval_every) == ("digits", tuple(QUICK["configs"].split(",")), 260, 65)
-    assert (s.runs, s.norms, seen["out"], seen["progress"], seen["workers"]) == (1, ("bn", "gn16"), "study-out/quick", True, None)
+    assert (s.dataset, s.configs, s.iterations, s.eval_every) == ("digits16", ("16x1", "1x16"), 260, 65)
+    assert (s.runs, s.norms, seen["out"], seen["progress"], seen["workers"]) == (1, ("bn", "gn16"), "study-out/quick",
+                                                                                  True, None)
     assert main(["study", "--dataset", "fashion-mnist", "--no-progress", "--workers", "1"]) == 0
     s = seen["settings"]
-    assert (s.dataset, s.iterations, s.eval_every, s.runs, "bn-exact" in s.norms) == ("fashion-mnist", 3600, 300, 3, True)
+    assert (s.dataset, s.iterations, s.eval_every, s.runs, "bn-exact" in s.norms) == ("fashion-mnist", 3600, 300, 3,
+                                                                                       True)
     assert (seen["out"], seen["progress"], seen["workers"]) == ("study-out/fashion-mnist", False, 1)
+
+
+def test_quick_grid_can_show_the_finding():
+    """--quick's settings: bn and bn-exact at micro-batch 1 x 16 and at 16 x 1, 3 runs, an evaluation after step 250,
+    on digits whose last feature map stays larger than 1x1 (torch's BatchNorm cannot run on 1x1 at micro-batch 1)."""
+    settings = StudySettings(**{k: v for k, v in QUICK.items() if k not in ("norms", "configs")},
+                             norms=tuple(QUICK["norms"].split(",")), configs=tuple(QUICK["configs"].split(",")))
+    assert {"bn", "bn-exact"} <= set(settings.norms) and {"1x16", "16x1"} <= set(settings.configs)
+    assert settings.runs >= 3 and settings.dataset == "digits16"
+    assert any(step > AFTER_STEP for step in range(settings.eval_every, settings.iterations + 1, settings.eval_every))
+    data = load_dataset(settings.dataset)
+    last_map = SimpleModel(nn.BatchNorm2d).features(data.train_x[:2])
+    assert last_map.shape[2:] == (2, 2)
 
 
 def test_a_tiny_study_from_the_command_line(tmp_path):
@@ -32,9 +53,10 @@ def test_a_tiny_study_from_the_command_line(tmp_path):
             "--eval-every", "1", "--lr", "0.01", "--seed", "3", "--device", "cpu", "--threads", "1",
             "--out", str(out), "--no-progress"]
     assert main(args) == 0
-    assert {p.name for p in out.iterdir()} == {"results.csv", "summary.md", "curves.png", "report.html", "settings.json"}
+    files = {"results.csv", "summary.md", "curves.png", "report.html", "settings.json"}
+    assert {p.name for p in out.iterdir()} == files
     assert json.loads((out / "settings.json").read_text()) == dict(
-        dataset="digits", data_dir=None, norms=["none"], configs=["2x2"], runs=1, iterations=2, eval_every=1,
+        dataset="digits16", data_dir=None, norms=["none"], configs=["2x2"], runs=1, iterations=2, eval_every=1,
         lr=0.01, seed=3)
     assert len((out / "results.csv").read_text().splitlines()) == 1 + 2  # header, steps 1 and 2
     assert main(args) == 0  # rerun: everything done, nothing appended

@@ -9,7 +9,8 @@ from accumnorm.study import StudySettings
 from accumnorm.study.model import SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 
 R = 3
-STACKABLE = ["bn", "bn-exact", "gn4", "gn16", "in", "none", "gn8", "bn2d"]  # study names and accumnorm names
+STACKABLE = ["bn", "bn-exact", "gn4", "gn16", "in", "none", "gn8", "bn2d",  # study names and accumnorm names
+             "brn", "bn-stale", "frn"]  # alternatives (EvoNorm-S0's 32 groups need wider layers: tested below)
 
 
 def _runs(name, seed=0):
@@ -134,3 +135,20 @@ def test_deferred_conv_weight_gradients_equal_per_micro_batch_ones(name):
     scale = max(float(g.abs().max()) for g in grads[0])
     for g0, g1 in zip(*grads):
         assert float((g1 - g0).abs().max()) <= 1e-10 * max(float(g0.abs().max()), 1e-2 * scale)
+
+
+def test_stacked_evonorm_s0_keeps_its_groups_within_each_run():
+    models, stacked = [], []
+    for r in range(2):
+        torch.manual_seed(r)
+        models.append(SimpleModel(norm_fn("evonorm-s0"), channels=(32, 32, 64, 64)))
+        with torch.no_grad():
+            for m in models[-1].modules():
+                if hasattr(m, "v"):
+                    m.v.uniform_(0.5, 1.5)
+    stacked = StackedModel(models)
+    assert stacked.features[1].num_groups == 2 * 32
+    x = torch.rand(4, 2, 1, 16, 16)
+    out = stacked(x)
+    for r, m in enumerate(models):
+        torch.testing.assert_close(out[:, r], m(x[:, r]), rtol=1e-4, atol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from accumnorm.study import StudySettings, parse_config, run_study, runner
-from accumnorm.study.report import summary_cells
+from accumnorm.study.report import finding, summary_cells
 from accumnorm.study.runner import data_order
 
 TINY = dict(dataset="digits", iterations=4, eval_every=2, runs=2)
@@ -178,7 +178,7 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path, kwargs, message)
 
 
 def test_unknown_dataset(tmp_path):
-    with pytest.raises(ValueError, match="unknown dataset 'imagenet'; expected one of digits, mnist"):
+    with pytest.raises(ValueError, match="unknown dataset 'imagenet'; expected one of digits, digits16, mnist"):
         run_study(tmp_path / "out", StudySettings(dataset="imagenet"), progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -202,3 +202,32 @@ def test_summary_is_the_mean_after_step_250_with_the_spread_over_runs():
     # run means 0.92 and 0.96 (step 250 is not after 250): mean 0.94, sample std 0.028
     assert table[1] == ["bn", "failed: Expected more than 1 value", "0.940 ± 0.028"]
     assert table[2] == ["gn4", "0.500 ± 0.000 (1/2 runs)", "n/a (no evaluation after step 250)"]
+
+
+def test_summary_says_in_one_sentence_what_bn_loses_and_bn_exact_recovers():
+    settings = StudySettings(norms=("bn", "bn-exact"), configs=("16x1", "1x16"), runs=2)
+    row = lambda norm, b, k, run, acc: dict(norm=norm, batch_size=b, num_accum=k, run=run, iter=300, valid_acc=acc)  # noqa: E731
+    rows = [row("bn", 16, 1, 0, 0.95), row("bn", 16, 1, 1, 0.97), row("bn", 1, 16, 0, 0.50), row("bn", 1, 16, 1, 0.60),
+            row("bn-exact", 1, 16, 0, 0.96), row("bn-exact", 1, 16, 1, 0.96)]
+    # spreads: bn 16x1 0.0141, bn 1x16 0.0707, bn-exact 1x16 0.0
+    assert finding(settings, rows) == (
+        "torch's BatchNorm (bn) at bs1 x 16 reaches 0.550 validation accuracy against 0.960 for the same batch in one "
+        "go (bs16 x 1), -0.410, more than twice the spread over runs (0.141); accumnorm's exact BatchNorm (bn-exact) "
+        "at bs1 x 16 reaches 0.960, +0.410, more than twice the spread over runs (0.141), and +0.000 from the batch "
+        "in one go.")
+    rows[3] = row("bn", 1, 16, 1, 0.94)  # bn 1x16 at 0.72 +- 0.31: within the noise
+    assert "not more than twice the spread over runs (0.622)" in finding(settings, rows)
+    assert finding(StudySettings(norms=("bn",), configs=("1x16",)), rows) is None  # no batch in one go to compare
+
+
+def test_configs_whose_micro_batch_exceeds_the_training_set_are_refused_before_anything_runs(tmp_path):
+    settings = StudySettings(dataset="digits", norms=("none",), configs=("2x2", "2000x1"), runs=1, iterations=1)
+    with pytest.raises(ValueError, match=r"configs 2000x1 have micro-batches larger than the 1437 training samples "
+                                         r"of digits: expected B <= 1437"):
+        run_study(tmp_path / "out", settings, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_norm_lists_the_alternatives_too(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown norm 'renorm'.*brn, bn-stale, frn, evonorm-s0"):
+        StudySettings(norms=("renorm",))

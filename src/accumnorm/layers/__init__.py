@@ -1,4 +1,5 @@
 """Normalization layers: exact-under-accumulation BatchNorm, lazy per-sample norms, registry and converters."""
+from .alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
 from .batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .create import NORM_NAMES, convert, norm, norm_layer, revert
 from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
@@ -6,5 +7,6 @@ from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, La
 __all__ = [
     "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
     "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm",
+    "BatchRenorm2d", "StaleBatchNorm2d", "FilterResponseNorm2d", "EvoNorm2dS0",
     "norm", "norm_layer", "NORM_NAMES", "convert", "revert",
 ]

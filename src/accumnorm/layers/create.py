@@ -18,6 +18,7 @@ from typing import Any
 import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from .alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
 from .batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
 
@@ -37,6 +38,10 @@ _NORMS: dict[str, NormLayer] = {
     "in3d": partial(InstanceNorm3d, affine=True),
     "ln": LayerNorm,
     "none": nn.Identity,  # takes and ignores any arguments
+    "brn": BatchRenorm2d,
+    "bn-stale": StaleBatchNorm2d,
+    "frn": FilterResponseNorm2d,
+    "evonorm-s0": EvoNorm2dS0,
 }
 _GN = re.compile(r"gn(\d+)")  # "gn<G>": GroupNorm with G groups, e.g. "gn16"
 NORM_NAMES = tuple(sorted([*_NORMS, "gn<G>"]))
@@ -48,7 +53,9 @@ def norm_layer(name: str) -> NormLayer:
     A drop-in `norm_layer=` for torchvision and timm models. Names (case-insensitive): "bn"
     (accumnorm.BatchNorm2d; "bn1d"/"bn3d" for other ranks), "gn<G>" (GroupNorm with G groups, e.g.
     "gn4", "gn16"), "in" (InstanceNorm2d with affine=True; "in1d"/"in3d"), "ln" (LayerNorm over the
-    channel dim), "none" (Identity). Channels None makes the layer lazy.
+    channel dim), "none" (Identity); the alternatives to BatchNorm "brn" (BatchRenorm2d), "bn-stale"
+    (StaleBatchNorm2d), "frn" (FilterResponseNorm2d, with TLU), "evonorm-s0" (EvoNorm2dS0). Channels
+    None makes the layer lazy.
     """
     if not isinstance(name, str):
         raise TypeError(f"norm name must be a str, got {type(name).__name__} {name!r}")

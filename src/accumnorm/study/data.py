@@ -11,8 +11,12 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10")
+__all__ = ["Dataset", "load_dataset", "DATASETS", "OFFLINE", "DEFAULT_DATA_DIR"]
+
+DATASETS = ("digits", "digits16", "mnist", "fashion-mnist", "cifar10")
+OFFLINE = ("digits", "digits16")  # bundled with scikit-learn: no data_dir
 DEFAULT_DATA_DIR = Path.home() / ".cache" / "accumnorm" / "data"
 
 
@@ -36,11 +40,15 @@ def load_dataset(name: str, data_dir: str | Path | None = None) -> Dataset:
     """Load `name` (one of DATASETS) as tensors on the CPU.
 
     `digits` is scikit-learn's bundled 8x8 handwritten digits (offline; the first 1,437 images
-    train, the last 360 validate). The others come from torchvision: read from `data_dir` in
-    torchvision's layout, downloaded there only when missing.
+    train, the last 360 validate); `digits16` the same upscaled to 16x16 (bilinear), so that the
+    study's net, which halves the size three times, ends on 2x2 feature maps instead of 1x1. The
+    others come from torchvision: read from `data_dir` in torchvision's layout, downloaded there
+    only when missing.
     """
     if name == "digits":
         return _digits()
+    if name == "digits16":
+        return Dataset(*(_upscale(t) if t.is_floating_point() else t for t in _digits()))
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
     return _torchvision(name, Path(data_dir) if data_dir is not None else DEFAULT_DATA_DIR)
@@ -54,6 +62,11 @@ def _digits() -> Dataset:
     y = torch.tensor(digits.target, dtype=torch.int64)
     split = 1437  # 80 / 20, a fixed cut so every run of every cell sees the same split
     return Dataset(x[:split], y[:split], x[split:], y[split:])
+
+
+def _upscale(x: torch.Tensor) -> torch.Tensor:
+    """8x8 images to 16x16, bilinear, still in [0, 1]."""
+    return F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False).clamp_(0, 1)
 
 
 def _torchvision(name: str, root: Path) -> Dataset:

@@ -6,9 +6,10 @@ which run r owns channel block r of every layer:
 
 - each conv becomes a grouped conv (groups=R): block r of the output sees only block r of the
   input, through run r's own weights;
-- BatchNorm and InstanceNorm normalize each channel on its own, so they work unchanged on
-  R*C channels; GroupNorm(G, C) becomes GroupNorm(R*G, R*C), whose groups never straddle
-  two runs; ReLU and max-pool act per channel;
+- BatchNorm, InstanceNorm and the per-channel alternatives (Batch Renormalization, stale
+  statistics, FRN) normalize each channel on its own, so they work unchanged on R*C channels;
+  GroupNorm(G, C) becomes GroupNorm(R*G, R*C) and EvoNorm-S0 likewise, whose groups never
+  straddle two runs; ReLU and max-pool act per channel;
 - the linear head becomes a grouped 1x1 conv.
 
 The loss is the sum over runs of each run's mean loss, so every run's parameters get exactly
@@ -28,6 +29,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 import accumnorm
+from accumnorm.layers.alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
+
+__all__ = ["SimpleModel", "StackedModel", "StackedConv2d", "SingleRun", "norm_fn", "stackable", "STUDY_NORMS",
+           "EXACT_BN", "NormFn"]
 
 NormFn = Callable[[int], nn.Module]
 
@@ -43,7 +48,8 @@ EXACT_BN = "bn-exact"  # accumnorm's BatchNorm, trained with accumnorm.backward(
 
 # Layers whose computation splits per channel, or per group of channels, with no other mixing.
 _PER_CHANNEL = (nn.ReLU, nn.MaxPool2d, nn.Identity)
-_PER_CHANNEL_NORMS = (_BatchNorm, _InstanceNorm, nn.GroupNorm)
+_PER_CHANNEL_NORMS = (_BatchNorm, _InstanceNorm, nn.GroupNorm, BatchRenorm2d, StaleBatchNorm2d, FilterResponseNorm2d,
+                      EvoNorm2dS0)
 
 
 def norm_fn(name: str) -> NormFn | None:

@@ -16,12 +16,14 @@ import platform
 import statistics
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .settings import StudySettings, parse_config
 from .store import atomic_write
+
+__all__ = ["write_report", "summary_cells", "cell_results", "finding", "config_label", "Cell", "AFTER_STEP"]
 
 AFTER_STEP = 250  # the study averages the evaluations after this step: the first ones are still warming up
 
@@ -30,36 +32,86 @@ def config_label(b: int, k: int) -> str:
     return f"bs{b} x {k}"
 
 
-def summary_cells(settings: StudySettings, rows: list[dict[str, Any]], failures: dict[tuple[str, int, int], str]) -> list[list[str]]:
-    """The table as strings: a header row, then one row per norm."""
-    per_run = defaultdict(list)  # (norm, B, K) -> run -> accuracies after AFTER_STEP
+class Cell(NamedTuple):
+    """A cell's result: mean over runs of each run's mean accuracy after AFTER_STEP, its spread, the runs counted."""
+
+    mean: float
+    spread: float
+    runs: int
+
+
+def cell_results(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], Cell]:
+    """(norm, B, K) -> Cell, for the cells with an evaluation after AFTER_STEP."""
+    per_run = defaultdict(lambda: defaultdict(list))  # (norm, B, K) -> run -> accuracies after AFTER_STEP
     for r in rows:
         if r["iter"] > AFTER_STEP:
-            per_run[(r["norm"], r["batch_size"], r["num_accum"])].append((r["run"], r["valid_acc"]))
+            per_run[(r["norm"], r["batch_size"], r["num_accum"])][r["run"]].append(r["valid_acc"])
+    cells = {}
+    for key, runs in per_run.items():
+        means = [statistics.fmean(v) for v in runs.values()]
+        cells[key] = Cell(statistics.fmean(means), statistics.stdev(means) if len(means) > 1 else 0.0, len(means))
+    return cells
+
+
+def summary_cells(settings: StudySettings, rows: list[dict[str, Any]],
+                  failures: dict[tuple[str, int, int], str]) -> list[list[str]]:
+    """The table as strings: a header row, then one row per norm."""
+    results = cell_results(rows)
     configs = [parse_config(c) for c in settings.configs]
     table = [["norm"] + [config_label(b, k) for b, k in configs]]
     for name in settings.norms:
         line = [name]
         for b, k in configs:
+            cell = results.get((name, b, k))
             if (name, b, k) in failures:
                 line.append(f"failed: {failures[(name, b, k)]}")
-                continue
-            runs = defaultdict(list)
-            for run, acc in per_run[(name, b, k)]:
-                runs[run].append(acc)
-            means = [statistics.fmean(v) for v in runs.values()]
-            if not means:
+            elif cell is None:
                 line.append(f"n/a (no evaluation after step {AFTER_STEP})")
-                continue
-            spread = statistics.stdev(means) if len(means) > 1 else 0.0
-            partial = f" ({len(means)}/{settings.runs} runs)" if len(means) != settings.runs else ""
-            line.append(f"{statistics.fmean(means):.3f} ± {spread:.3f}{partial}")
+            else:
+                partial = f" ({cell.runs}/{settings.runs} runs)" if cell.runs != settings.runs else ""
+                line.append(f"{cell.mean:.3f} ± {cell.spread:.3f}{partial}")
         table.append(line)
     return table
 
 
-def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]], failures: dict[tuple[str, int, int], str],
-                 device: str, workers: int = 1, threads: int | None = None) -> None:
+def finding(settings: StudySettings, rows: list[dict[str, Any]]) -> str | None:
+    """One sentence on what the table shows about BatchNorm under accumulation, when the grid can tell.
+
+    It needs bn at an accumulated config BxK (K > 1) and at the same batch in one go (B*K x 1);
+    with bn-exact at BxK too, it also says whether exact accumulation gets the big batch's accuracy.
+    A difference counts when it is larger than twice the larger spread over runs of the two cells.
+    """
+    configs = [parse_config(c) for c in settings.configs]
+    results = {key: cell for key, cell in cell_results(rows).items() if key[0] in settings.norms and key[1:] in configs}
+    for b, k in configs:
+        small, big = results.get(("bn", b, k)), results.get(("bn", b * k, 1))
+        if k == 1 or small is None or big is None:
+            continue
+        acc, one_go = config_label(b, k), config_label(b * k, 1)
+        loss, noise = _difference(big, small)
+        text = (f"torch's BatchNorm (bn) at {acc} reaches {small.mean:.3f} validation accuracy against "
+                f"{big.mean:.3f} for the same batch in one go ({one_go}), {_versus(-loss, noise)}")
+        exact = results.get(("bn-exact", b, k))
+        if exact is not None:
+            gain, noise = _difference(exact, small)
+            text += (f"; accumnorm's exact BatchNorm (bn-exact) at {acc} reaches {exact.mean:.3f}, "
+                     f"{_versus(gain, noise)}, and {exact.mean - big.mean:+.3f} from the batch in one go")
+        return text + "."
+    return None
+
+
+def _difference(a: Cell, b: Cell) -> tuple[float, float]:
+    """a's mean minus b's, and twice the larger spread over runs of the two."""
+    return a.mean - b.mean, 2 * max(a.spread, b.spread)
+
+
+def _versus(gap: float, noise: float) -> str:
+    return f"{gap:+.3f}, {'more' if abs(gap) > noise else 'not more'} than twice the spread over runs ({noise:.3f})"
+
+
+def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]],
+                 failures: dict[tuple[str, int, int], str], device: str, workers: int = 1,
+                 threads: int | None = None) -> None:
     """Write summary.md, curves.png and report.html into `out` from the results rows.
 
     `workers` processes of `threads` torch threads each (default: this process's) trained the cells.
@@ -70,7 +122,10 @@ def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]],
                f"evaluation every {settings.eval_every} steps.")
     md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
     md += ["| " + " | ".join(line) + " |" for line in table[1:]]
-    atomic_write(out / "summary.md", f"# Normalization under gradient accumulation\n\n{caption}\n\n" + "\n".join(md) + "\n")
+    sentence = finding(settings, rows)
+    conclusion = f"\n{sentence}\n" if sentence else ""
+    atomic_write(out / "summary.md",
+                 f"# Normalization under gradient accumulation\n\n{caption}\n\n" + "\n".join(md) + "\n" + conclusion)
 
     png = _curves_png(settings, rows)
     atomic_write(out / "curves.png", png)
@@ -89,6 +144,7 @@ td,th{{border:1px solid #bbb;padding:4px 8px;text-align:left}} img{{max-width:10
 <body><h1>Normalization under gradient accumulation</h1>
 <p>{html.escape(caption)}</p>
 <table>{head}{body}</table>
+{f"<p>{html.escape(sentence)}</p>" if sentence else ""}
 <img alt="validation accuracy against step" src="data:image/png;base64,{base64.b64encode(png).decode()}">
 <h2>Settings</h2><table>{setting_rows}</table>
 </body></html>

@@ -8,7 +8,9 @@ the same weights (for the same norm) and sees the same samples: cells differ by 
 being studied, not by luck. Differences from the study's loop, none of which changes the
 arithmetic of a step: data preloaded as tensors, the data order an endless stream of
 permutations (no short last batch at an epoch's end), train_loss the mean over all
-micro-batches since the previous evaluation, and the runs of a cell trained side by side.
+micro-batches since the previous evaluation, the runs of a cell trained side by side, and
+plain-accumulation steps of models that allow it computed as one forward/backward of the whole
+batch with BatchNorm in ghost batches of B (see fused.py: the same computation, proven by tests).
 
 On a CPU the cells also run in parallel, in worker processes that split the thread budget
 (torch.get_num_threads()) between them: at micro-batch 1 a step is a long chain of small
@@ -41,10 +43,13 @@ from torch import nn
 import accumnorm
 
 from . import store
-from .data import Dataset, load_dataset
+from .data import OFFLINE, Dataset, load_dataset
+from .fused import fusable, use_ghost_batches
 from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 from .report import write_report
 from .settings import StudySettings, parse_config
+
+__all__ = ["run_study", "data_order", "evaluate", "Task", "EVAL_BATCH"]
 
 EVAL_BATCH = 256  # validation images per forward: big enough to amortize calls, small enough for R-wide maps
 
@@ -79,9 +84,12 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     device = _device(device)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers must be a positive int, got {workers!r}")
-    data_dir = None if settings.dataset == "digits" or settings.data_dir is None else str(Path(settings.data_dir).resolve())
+    offline = settings.dataset in OFFLINE or settings.data_dir is None
+    data_dir = None if offline else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
-    data = load_dataset(settings.dataset, settings.data_dir).to(device)  # may fail: nothing written yet (workers load their own)
+    # May fail: nothing written yet (workers load their own).
+    data = load_dataset(settings.dataset, settings.data_dir).to(device)
+    _check_configs(settings, len(data.train_x))
     store.open_out(out, settings.to_json())
 
     done = {(r["norm"], r["batch_size"], r["num_accum"], r["run"]) for r in store.read_results(out)}
@@ -108,6 +116,14 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     return out
 
 
+def _check_configs(settings: StudySettings, train_size: int) -> None:
+    """Refuse, before anything runs, configs whose micro-batch the training set cannot fill."""
+    too_big = [c for c in settings.configs if parse_config(c)[0] > train_size]
+    if too_big:
+        raise ValueError(f"configs {', '.join(too_big)} have micro-batches larger than the {train_size} training "
+                         f"samples of {settings.dataset}: expected B <= {train_size}")
+
+
 def _parallelism(workers: int | None, device: torch.device, tasks: int) -> tuple[int, int]:
     """(worker processes, torch threads each) for `tasks` pending tasks within this process's thread budget."""
     budget = torch.get_num_threads()
@@ -118,7 +134,7 @@ def _parallelism(workers: int | None, device: torch.device, tasks: int) -> tuple
 
 
 def _attempt(task: Task, data: Dataset, settings: StudySettings, on_step: Callable[[int], None]) -> Outcome:
-    """Train `task`; a ValueError or RuntimeError (e.g. torch's BatchNorm on a 1x1 map at micro-batch 1) is its outcome."""
+    """Train `task`; a ValueError or RuntimeError (torch's BatchNorm on a 1x1 map at micro-batch 1) is its outcome."""
     try:
         return _train(task.name, task.b, task.k, task.runs, data, settings, on_step)
     except (ValueError, RuntimeError) as err:
@@ -263,9 +279,14 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
         torch.manual_seed(settings.seed + r)  # run r starts exactly where a lone SimpleModel under this seed would
         models.append(SimpleModel(norm_fn(name), in_channels=data.train_x.shape[1], num_classes=data.num_classes))
     bn_mode = "exact" if name == EXACT_BN else "micro"  # "micro": per-micro-batch statistics, as the study
-    # Plain accumulation runs each micro-batch's backward once: conv weight gradients can wait for one call per step.
-    model = (StackedModel(models, defer_weight_grads=bn_mode == "micro") if len(models) > 1
+    # A plain-accumulation step is one whole-batch forward with ghost batches where the layers allow it.
+    fused = bn_mode == "micro" and fusable(models[0])
+    # Else plain accumulation runs each micro-batch's backward once: conv weight gradients can wait for one
+    # call per step.
+    model = (StackedModel(models, defer_weight_grads=bn_mode == "micro" and not fused) if len(models) > 1
              else SingleRun(models[0])).to(device)
+    if fused:
+        use_ghost_batches(model, b)
     optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
     order = data_order(len(data.train_x), settings.iterations, b * k, [settings.seed + r for r in runs]).to(device)
 
@@ -284,7 +305,11 @@ def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settin
     rows, start = [], time.perf_counter()
     for it in range(1, settings.iterations + 1):
         idx = order[:, it - 1].T  # (B*K, R): sample n of the effective batch, one per run
-        accumnorm.backward(model, (data.train_x[idx], data.train_y[idx]), loss_fn, micro_batch_size=b, bn=bn_mode)
+        batch = (data.train_x[idx], data.train_y[idx])
+        if fused:
+            loss_fn(model, batch).backward()  # the mean over the whole batch: plain accumulation's gradient
+        else:
+            accumnorm.backward(model, batch, loss_fn, micro_batch_size=b, bn=bn_mode)  # ends the step of bn-stale
         if isinstance(model, StackedModel):
             model.flush_weight_grads()
         optimizer.step()

@@ -1,0 +1,314 @@
+"""The literature's answers to small-batch BatchNorm, as lazy channels-first layers.
+
+- `BatchRenorm2d` (Ioffe 2017): batch statistics corrected towards the running ones by r and d,
+  clipped to r_max / d_max, which warm up from plain BatchNorm (1, 0) to the paper's (3, 5).
+- `StaleBatchNorm2d`: normalizes with the whole-batch statistics of the previous optimizer step,
+  collected over its micro-batches; a cheap one-step-stale approximation of exact accumulation in
+  the spirit of MABN (Yan et al. 2020). Its statistics roll at `accumnorm_step_end()`, which
+  `accumnorm.backward` calls after every successful step.
+- `FilterResponseNorm2d` (Singh & Krishnan 2020, FRN with TLU) and `EvoNorm2dS0` (Liu et al. 2020):
+  per-sample norms with a built-in nonlinearity, as timm's FilterResponseNormTlu2d and EvoNorm2dS0.
+
+All take (N, C, H, W) inputs, their channel count first (None: lazy, from the first input), and
+keep their per-channel tensors as (C,) parameters and buffers, so state_dicts are plain.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
+
+from .lazy import LazyNormMixin, check_num_features
+
+__all__ = ["BatchRenorm2d", "StaleBatchNorm2d", "FilterResponseNorm2d", "EvoNorm2dS0"]
+
+
+class _ChannelNorm(LazyNormMixin, nn.Module):
+    """Shared body: (C,) parameters and buffers with constant initial values, 4D input, lazy channels."""
+
+    def __init__(self, num_features: int | None, params: dict[str, float], buffers: dict[str, float],
+                 device: Any = None, dtype: torch.dtype | None = None, work: tuple[str, ...] = ()) -> None:
+        """`work`: names among `buffers` that are scratch space, left out of the state_dict."""
+        num_features = check_num_features(num_features)
+        super().__init__()
+        self.num_features = num_features
+        self._inits = {**params, **buffers}
+        factory_kwargs = {"device": device, "dtype": dtype}
+        lazy = num_features is None
+        for name in params:
+            setattr(self, name, UninitializedParameter(**factory_kwargs) if lazy
+                    else nn.Parameter(torch.empty(num_features, **factory_kwargs)))
+        for name in buffers:
+            self.register_buffer(name, UninitializedBuffer(**factory_kwargs) if lazy
+                                 else torch.empty(num_features, **factory_kwargs), persistent=name not in work)
+        if not lazy:  # an ordinary module: no lazy hooks
+            self._initialize_hook.remove()
+            self._load_hook.remove()
+        self.reset_parameters()
+
+    def initialize_parameters(self, input: Tensor) -> None:  # type: ignore[override]
+        """Called by the lazy pre-forward hook: learn C from the first input; materialize at initial values.
+
+        Tensors that a state_dict loaded before the first forward materialized keep their values and fix C.
+        """
+        self._check_input_dim(input)
+        loaded = [t for t in self.parameters(recurse=False) if not is_lazy(t)]
+        c = loaded[0].shape[0] if loaded else input.shape[1]
+        with torch.no_grad():
+            for name, tensor in [*self._parameters.items(), *self._buffers.items()]:
+                if is_lazy(tensor):
+                    tensor.materialize((c,))
+                    tensor.fill_(self._inits[name])
+        self.num_features = c
+
+    def reset_parameters(self) -> None:
+        """Every per-channel tensor back to its initial value (nothing to do while lazy)."""
+        if self.has_uninitialized_params() or self.num_features is None:
+            return
+        with torch.no_grad():
+            for name, value in self._inits.items():
+                getattr(self, name).fill_(value)
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() != 4:
+            raise ValueError(f"expected 4D input (got {input.dim()}D input)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        self._check_channels(input)
+        return self._norm(input)
+
+    def _norm(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}"
+
+
+def _affine(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    return x * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
+
+
+class BatchRenorm2d(_ChannelNorm):
+    """Batch Renormalization (Ioffe 2017) over (N, C, H, W): BatchNorm made to agree with its running statistics.
+
+    In training, y = weight * ((x - mean_B) / std_B * r + d) + bias with r = std_B / std and
+    d = (mean_B - mean) / std from the running statistics, clipped to [1/r_max, r_max] and
+    [-d_max, d_max] and held constant in the backward. r_max and d_max follow the paper's
+    warm-up: (1, 0), which is BatchNorm, for `warmup` updates, then linearly to `r_max` at
+    `r_max_at` and `d_max` at `d_max_at` updates (ImageNet in the paper: 5k, 40k, 25k steps).
+    The running statistics are torch's BatchNorm's (momentum, unbiased variance); eval uses them.
+
+    NOTE: the warm-up counts training forwards (`num_batches_tracked`, as torch's BatchNorm
+    counts them), so under accumulation it advances K times per optimizer step, once per update
+    of the running statistics, which is what r and d are measured against.
+
+    Args:
+        num_features: channels C, or None to infer them from the first input.
+        eps, momentum: as torch's BatchNorm2d.
+        r_max, d_max: the clipping bounds after the warm-up.
+        warmup, r_max_at, d_max_at: training forwards at which the bounds start to grow, and reach their final values.
+
+    Shape:
+        Input (N, C, H, W), output the same.
+
+    Examples:
+        >>> m = BatchRenorm2d(32, warmup=100, r_max_at=800, d_max_at=500)
+        >>> y = m(torch.randn(4, 32, 8, 8))
+    """
+
+    def __init__(self, num_features: int | None = None, eps: float = 1e-5, momentum: float = 0.1,
+                 r_max: float = 3.0, d_max: float = 5.0, warmup: int = 5000, r_max_at: int = 40000,
+                 d_max_at: int = 25000, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        if not (r_max >= 1 and d_max >= 0 and 0 <= warmup <= min(r_max_at, d_max_at)):
+            raise ValueError(f"expected r_max >= 1, d_max >= 0 and 0 <= warmup <= r_max_at, d_max_at, got "
+                             f"r_max={r_max}, d_max={d_max}, warmup={warmup}, r_max_at={r_max_at}, d_max_at={d_max_at}")
+        super().__init__(num_features, {"weight": 1.0, "bias": 0.0}, {"running_mean": 0.0, "running_var": 1.0},
+                         device, dtype)
+        self.eps, self.momentum = eps, momentum
+        self.r_max, self.d_max, self.warmup, self.r_max_at, self.d_max_at = r_max, d_max, warmup, r_max_at, d_max_at
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+
+    def bounds(self) -> tuple[float, float]:
+        """(r_max, d_max) now, from the number of training forwards so far."""
+        t = int(self.num_batches_tracked)
+
+        def ramp(final: float, start: float, end: int) -> float:
+            if t <= self.warmup:
+                return start
+            return final if t >= end else start + (final - start) * (t - self.warmup) / (end - self.warmup)
+
+        return ramp(self.r_max, 1.0, self.r_max_at), ramp(self.d_max, 0.0, self.d_max_at)
+
+    def _norm(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        r_max, d_max = self.bounds()
+        with torch.no_grad():
+            var_b, mean_b = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+            std = (self.running_var + self.eps).sqrt()
+            r = ((var_b + self.eps).sqrt() / std).clamp(1 / r_max, r_max)
+            d = ((mean_b - self.running_mean) / std).clamp(-d_max, d_max)
+        # weight * (x_hat * r + d) + bias is batch norm with weight * r and bias + weight * d: torch's kernel,
+        # with r and d constants of the backward.
+        out = F.batch_norm(x, None, None, self.weight * r, self.bias + self.weight * d, True, 0.0, self.eps)
+        with torch.no_grad():
+            n = x.numel() // x.shape[1]
+            self.running_mean.lerp_(mean_b, self.momentum)
+            self.running_var.lerp_(var_b * n / (n - 1), self.momentum)
+            self.num_batches_tracked.add_(1)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, r_max={self.r_max}, "
+                f"d_max={self.d_max}, warmup={self.warmup}, r_max_at={self.r_max_at}, d_max_at={self.d_max_at}")
+
+
+class StaleBatchNorm2d(_ChannelNorm):
+    """BatchNorm with the previous optimizer step's whole-batch statistics: one step stale, exact otherwise.
+
+    Exact accumulation (`accumnorm.backward(bn="exact")`) gives every micro-batch the statistics of
+    the whole batch at the price of extra passes. This layer gives it those of the previous step,
+    which are known before the step starts: one pass, like plain accumulation. In training it
+    normalizes with `stale_mean` / `stale_var` (constants of the backward, as in MABN), adds the
+    moments of each micro-batch it sees, and `accumnorm_step_end()` (called by
+    `accumnorm.backward` after a successful step; call it yourself in a plain loop, after the
+    step's last forward) makes the whole batch's moments the ones used next, and updates the
+    running statistics once, as torch's BatchNorm over the whole batch would. Before the first step
+    ends the stale statistics are (0, 1): the first step is not normalized. Eval uses the running
+    statistics.
+
+    NOTE: unlike BatchNorm, no gradient flows through the statistics (they come from an earlier
+    step); each micro-batch must go through the layer once per step for the moments to be the
+    whole batch's.
+
+    Args:
+        num_features: channels C, or None to infer them from the first input.
+        eps, momentum: as torch's BatchNorm2d (momentum of the running statistics, per step).
+
+    Shape:
+        Input (N, C, H, W), output the same.
+
+    Examples:
+        >>> m = StaleBatchNorm2d(32)
+        >>> for micro_batch in torch.randn(16, 32, 8, 8).split(4):
+        ...     y = m(micro_batch)
+        >>> m.accumnorm_step_end()  # stale_mean / stale_var are now the 16 samples' statistics
+    """
+
+    def __init__(self, num_features: int | None = None, eps: float = 1e-5, momentum: float = 0.1,
+                 device: Any = None, dtype: torch.dtype | None = None) -> None:
+        stats = {"running_mean": 0.0, "running_var": 1.0, "stale_mean": 0.0, "stale_var": 1.0}
+        # step_*: the moments of the step so far (count, mean, sum of squared deviations), scratch, not state.
+        super().__init__(num_features, {"weight": 1.0, "bias": 0.0}, {**stats, "step_mean": 0.0, "step_m2": 0.0},
+                         device, dtype, work=("step_mean", "step_m2"))
+        self.eps, self.momentum = eps, momentum
+        self.register_buffer("step_count", torch.tensor(0, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+
+    def _norm(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        with torch.no_grad():  # Chan et al.'s pairwise update: the step's moments without a sum of squares
+            n = x.numel() // x.shape[1]
+            var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+            total = int(self.step_count) + n
+            delta = mean - self.step_mean
+            self.step_m2.add_(var * n + delta.square() * (int(self.step_count) * n / total))
+            self.step_mean.add_(delta * (n / total))
+            self.step_count.fill_(total)
+        # Eval-mode batch_norm: normalize with given statistics, no gradient through them.
+        return F.batch_norm(x, self.stale_mean, self.stale_var, self.weight, self.bias, False, 0.0, self.eps)
+
+    @torch.no_grad()
+    def accumnorm_step_end(self) -> None:
+        """The step's whole-batch statistics become the ones the next step normalizes with; a no-op without forwards."""
+        n = int(self.step_count)
+        if n == 0:
+            return  # idempotent: a second call in the same step changes nothing
+        self.stale_mean.copy_(self.step_mean)
+        self.stale_var.copy_(self.step_m2 / n)
+        self.running_mean.lerp_(self.step_mean, self.momentum)
+        self.running_var.lerp_(self.step_m2 / max(n - 1, 1), self.momentum)
+        self.num_batches_tracked.add_(1)
+        self.step_count.zero_()
+        self.step_mean.zero_()
+        self.step_m2.zero_()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+class FilterResponseNorm2d(_ChannelNorm):
+    """Filter Response Normalization with a Thresholded Linear Unit (Singh & Krishnan 2020), as timm's FRN+TLU.
+
+    y = max(weight * x / sqrt(mean(x^2 over H, W) + eps) + bias, tau): each sample and channel on
+    its own, so it is the same under any accumulation. It includes its nonlinearity (TLU).
+
+    Args:
+        num_features: channels C, or None to infer them from the first input.
+        eps: added to the mean square.
+
+    Shape:
+        Input (N, C, H, W), output the same.
+
+    Examples:
+        >>> m = FilterResponseNorm2d(32)
+        >>> y = m(torch.randn(4, 32, 8, 8))
+    """
+
+    def __init__(self, num_features: int | None = None, eps: float = 1e-5, device: Any = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_features, {"weight": 1.0, "bias": 0.0, "tau": 0.0}, {}, device, dtype)
+        self.eps = eps
+
+    def _norm(self, x: Tensor) -> Tensor:
+        x = x * x.square().mean((2, 3), keepdim=True).add(self.eps).rsqrt()
+        return torch.maximum(_affine(x, self.weight, self.bias), self.tau.view(1, -1, 1, 1))
+
+
+class EvoNorm2dS0(_ChannelNorm):
+    """EvoNorm-S0 (Liu et al. 2020), as timm's EvoNorm2dS0: y = x * sigmoid(v * x) / group_std(x) * weight + bias.
+
+    The standard deviation is per sample over groups of channels (as GroupNorm's), so it is the
+    same under any accumulation. It includes its nonlinearity (the sigmoid gate).
+
+    Args:
+        num_features: channels C, or None to infer them from the first input (divisible by num_groups).
+        num_groups: channel groups of the standard deviation.
+        eps: added to the variance.
+
+    Shape:
+        Input (N, C, H, W), output the same.
+
+    Examples:
+        >>> m = EvoNorm2dS0(64, num_groups=32)
+        >>> y = m(torch.randn(4, 64, 8, 8))
+    """
+
+    def __init__(self, num_features: int | None = None, num_groups: int = 32, eps: float = 1e-5, device: Any = None,
+                 dtype: torch.dtype | None = None) -> None:
+        check_num_features(num_groups, "num_groups")
+        if num_features is not None and isinstance(num_features, int) and num_features % num_groups:
+            raise ValueError(f"EvoNorm2dS0 with {num_groups} groups needs channels divisible by it, got {num_features}")
+        super().__init__(num_features, {"weight": 1.0, "bias": 0.0, "v": 1.0}, {}, device, dtype)
+        self.num_groups, self.eps = num_groups, eps
+
+    def initialize_parameters(self, input: Tensor) -> None:  # type: ignore[override]
+        if input.dim() == 4 and input.shape[1] % self.num_groups:
+            raise ValueError(f"EvoNorm2dS0 with {self.num_groups} groups needs channels divisible by it, "
+                             f"got {input.shape[1]}")
+        super().initialize_parameters(input)
+
+    def _norm(self, x: Tensor) -> Tensor:
+        n, c, h, w = x.shape
+        groups = x.view(n, self.num_groups, -1)
+        std = groups.var(dim=2, correction=0, keepdim=True).add(self.eps).sqrt()
+        gated = x * torch.sigmoid(x * self.v.view(1, -1, 1, 1))
+        return _affine((gated.view(n, self.num_groups, -1) / std).view(n, c, h, w), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, num_groups={self.num_groups}, eps={self.eps}"
