@@ -44,7 +44,7 @@ _NORMS: dict[str, NormLayer] = {
     "evonorm-s0": EvoNorm2dS0,
 }
 _GN = re.compile(r"gn(\d+)")  # "gn<G>": GroupNorm with G groups, e.g. "gn16"
-NORM_NAMES = tuple(sorted([*_NORMS, "gn<G>"]))
+NORM_NAMES = (*list(_NORMS)[:4], "gn<G>", *list(_NORMS)[4:])  # the registry's order, GroupNorm beside BatchNorm
 
 
 def norm_layer(name: str) -> NormLayer:
