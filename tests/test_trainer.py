@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import accumnorm
 from accumnorm import Trainer
-from helpers import ce_loss, rel_err
+from helpers import ce_loss, child_env, rel_err
 from models import vgg
 
 
@@ -167,7 +167,8 @@ def test_checkpoint_of_another_model_names_the_keys_and_changes_nothing(tmp_path
         Trainer.load(tmp_path / "ckpt.pt", other, torch.optim.SGD(other.parameters(), lr=0.1), ce_loss)
     message = str(error.value)
     assert "missing in checkpoint" not in message
-    assert "not in model: 7.bias; 7.num_batches_tracked; 7.running_mean; 7.running_var; 7.weight; 9.bias; 9.weight" in message
+    assert ("not in model: 7.bias; 7.num_batches_tracked; 7.running_mean; 7.running_var; 7.weight; 9.bias; 9.weight"
+            in message)
     assert "shapes differ: 6.weight (16, 96) in checkpoint, (32, 96) in model; 6.bias (16,) in checkpoint" in message
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
 
@@ -279,8 +280,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     """20 steps, against: killed by SIGKILL in step 12, resumed from the step-10 checkpoint in a fresh
     process, 10 more steps. Parameters, optimizer state, RNG and every logged loss are bit-identical."""
     def run(mode, out):
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-               "PYTHONPATH": os.pathsep.join([str(Path(accumnorm.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+        env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
         return subprocess.run([sys.executable, __file__, mode, str(out)], env=env, timeout=120,
                               capture_output=True, text=True)
 
@@ -301,7 +301,8 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
         assert all(torch.equal(v, got["optimizer"]["state"][i][k]) for k, v in state.items())
     assert want["optimizer"]["param_groups"] == got["optimizer"]["param_groups"]
     assert torch.equal(want["rng"], got["rng"])
-    logged = lambda d: [(r["step"], r["name"], r["value"]) for r in read_metrics(d) if r["name"] != "samples_per_s"]
+    def logged(d):
+        return [(r["step"], r["name"], r["value"]) for r in read_metrics(d) if r["name"] != "samples_per_s"]
     assert logged(full) == logged(broken)
     assert [r[0] for r in logged(full) if r[1] == "loss"] == [str(s) for s in range(1, RESUME_STEPS + 1)]
 
