@@ -379,3 +379,20 @@ def test_scripted_batchnorm_is_refused_in_exact_mode():
         accumnorm.backward(model, data((4,), 6), ce_loss, micro_batch_size=2)
     assert all(p.grad is None for p in model.parameters())
     accumnorm.backward(model, data((4,), 6), ce_loss, micro_batch_size=2, bn="micro")  # plain accumulation is fine
+
+
+def test_layerwise_gives_the_caller_its_thread_count_back():
+    """The lockstep forwards run on one intra-op thread each; the caller's setting comes back, error or not."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, batch = vgg(), data((1, 16, 16), 6)
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="layerwise")
+        assert torch.get_num_threads() == 2
+        def broken(m, b):
+            raise RuntimeError("data pipeline broke")
+        with pytest.raises(RuntimeError, match="data pipeline broke"):
+            accumnorm.backward(model, batch, broken, micro_batch_size=2, schedule="layerwise")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -157,6 +157,7 @@ class _Lockstep:
         self.error: BaseException | None = None
         self.aborted = False
         self.local = threading.local()
+        self.threads = torch.get_num_threads()  # the caller's intra-op threads, for the backward
 
     def run(self) -> None:
         step = self.step
@@ -172,6 +173,7 @@ class _Lockstep:
                 self._abort(e)
             for t in threads:
                 t.join()
+        torch.set_num_threads(self.threads)  # see _work
         if self.error is not None:
             raise self.error
         roots = [root for root in self.roots if root is not None]
@@ -184,6 +186,12 @@ class _Lockstep:
         self.turns[k].acquire()
         if self.aborted:
             return
+        # NOTE: the forwards run on one intra-op thread each. A thread that runs torch ops on several
+        # keeps an OpenMP team of its own, and once the process holds more OpenMP threads than cores,
+        # libgomp stops spinning between parallel regions for every team, plain torch's too (4 idle
+        # teams cost it 40% on 2 cores). The backward, two thirds of the work, runs in the caller's
+        # thread with the caller's thread count, restored before it starts.
+        torch.set_num_threads(1)
         try:
             self.rng.switch_in(k)
             with self.caller.enter(), BatchNormCalls(self._arrive, self.step.owners):
