@@ -14,8 +14,9 @@ micro-batch needs, plus the tensors that cross the current BatchNorm call for al
 
 Why threads: the forward is arbitrary Python (the model and loss_fn); a thread is the one way to pause
 it at a BatchNorm call and resume it later without tracing it, so any model runs as written, control
-flow and all. Only one thread runs at a time (a baton goes round), so a step is deterministic and its
-arithmetic parallel as before (torch's intra-op threads). Thread-local state reaches every worker as
+flow and all. Only one thread runs at a time (a baton goes round), so a step is deterministic; the
+forwards use one intra-op thread each and the backward the caller's (see `_Lockstep._work` for why).
+Thread-local state reaches every worker as
 DataParallel hands it on: grad mode, autocast, CUDA device and stream, saved-tensor hooks. Each
 micro-batch has its own random-number state, seeded as the passes schedule seeds it, so both
 schedules draw the same dropout masks.
