@@ -280,6 +280,9 @@ def primed():
     ({"schedule": "Layerwise"}, ValueError, ["schedule", "'layerwise'", "'Layerwise'"]),
     ({"store": 3}, TypeError, ["store", "int"]),
     ({"store": "disk"}, ValueError, ["store", "'disk'"]),
+    ({"store": "meta"}, ValueError, ["store", "meta", "use None or 'cpu'"]),
+    *([({"store": "cuda"}, ValueError, ["store", "cuda", "CUDA available: False"])]
+      if not torch.cuda.is_available() else []),
 ])
 def test_bad_schedule_or_store(primed, kwargs, exc, words):
     model, batch, snap = primed

@@ -51,7 +51,10 @@ def resolve_store(store: Any) -> torch.device:
         except RuntimeError:
             raise ValueError(f"store must be None, 'cpu' or a torch.device, got the string {store!r}") from None
     if isinstance(store, torch.device):
-        if store.type == "cuda" and store.index is None and torch.cuda.is_available():
+        if store.type == "meta" or (store.type == "cuda" and not torch.cuda.is_available()):
+            raise ValueError(f"store must be a device that can hold tensors here, got {store} "
+                             f"(CUDA available: {torch.cuda.is_available()}); use None or 'cpu'")
+        if store.type == "cuda" and store.index is None:
             return torch.device("cuda", torch.cuda.current_device())
         return store
     raise TypeError(f"store must be None, 'cpu' or a torch.device, got {type(store).__name__} {store!r}")
