@@ -91,3 +91,18 @@ def test_device_and_dtype_factory_kwargs_and_deepcopy():
     assert lazy.weight.dtype == torch.float64
     c = copy.deepcopy(m)
     assert rel_err(c(torch.ones(2, 3, dtype=torch.float64)), m(torch.ones(2, 3, dtype=torch.float64))) == 0
+
+
+def test_lazy_layer_keeps_a_state_dict_loaded_before_its_first_forward():
+    """As torch's lazy norms: loading materializes the shapes and the values, and the first forward keeps both."""
+    eager = BatchNorm2d(3)
+    with torch.no_grad():
+        values = [(eager.weight, 2.0), (eager.bias, 0.5), (eager.running_mean, 1.0), (eager.running_var, 4.0)]
+        for tensor, value in values:
+            tensor.fill_(value)
+    lazy = BatchNorm2d()
+    lazy.load_state_dict(eager.state_dict())
+    lazy.eval()
+    x = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(lazy(x), eager.eval()(x))
+    assert float(lazy.weight[0]) == 2.0 and float(lazy.running_var[0]) == 4.0 and lazy.num_features == 3

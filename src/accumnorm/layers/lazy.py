@@ -102,12 +102,13 @@ class LazyNormMixin(LazyModuleMixin):
         # A state_dict loaded before the first forward has already materialized the shapes: they win.
         loaded = [t for t in self._parameters.values() if t is not None and not is_lazy(t)]
         c = loaded[0].shape[0] if loaded else input.shape[self._feature_dim(input)]
+        lazy = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None and is_lazy(t)]
         with torch.no_grad():
-            for tensor in list(self._parameters.values()) + list(self._buffers.values()):
-                if tensor is not None and is_lazy(tensor):
-                    tensor.materialize((c,))
+            for tensor in lazy:
+                tensor.materialize((c,))
         setattr(self, self._features_attr, c)
-        self.reset_parameters()
+        if lazy:  # as torch's lazy norms: values a state_dict loaded (all of them) are kept, else all are reset
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         if not self.has_uninitialized_params():
