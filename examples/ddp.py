@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import accumnorm
 from accumnorm import Trainer, distributed
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,7 +65,7 @@ def conv_net(channels=(32, 64, 128, 256)) -> nn.Module:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(prev, 10))
 
 
-model = accumnorm.convert(conv_net()).to(env.device)  # torch BatchNorm -> accumnorm's exact BatchNorm
+model = conv_net().to(env.device)  # torch's own BatchNorm: the Trainer makes it exact, no conversion
 optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
 
