@@ -21,12 +21,11 @@ from torch.nn.parameter import is_lazy
 
 from .distributed import Collectives, unwrap_ddp
 from .intercept import batch_norm_modules, sync_batch_norm_as_local, update_running_stats
-from .schedules import Step, cannot_run_reason, layerwise, passes, plain, resolve_store
+from .schedules import LossFn, Step, cannot_run_reason, layerwise, passes, plain, resolve_store
 
 __all__ = ["backward"]
 
 Batch = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
-LossFn = Callable[[nn.Module, Any], Tensor]
 BN_MODES = ("exact", "micro")
 SCHEDULES = ("auto", "layerwise", "passes")
 
@@ -77,9 +76,10 @@ def backward(
     store_device = resolve_store(store)
     micro_batches, sizes = _split(batch, micro_batch_size)
     collectives = Collectives(process_group)
+    device = _device(model)
     total = sum(sizes)
     if process_group is not None:  # every sample of the global batch weighs the same
-        total = int(collectives.sum_(torch.tensor(total, device=_device(model))).item())
+        total = int(collectives.sum_(torch.tensor(total, device=device)).item())
     bn_modules = batch_norm_modules(model)
     owners = {id(m.running_mean): m for m in bn_modules if m.running_mean is not None}
     step = Step(model, micro_batches, [n / total for n in sizes], loss_fn, collectives, grad_scaler, owners)
@@ -87,7 +87,7 @@ def backward(
     exact = bn == "exact" and not (len(micro_batches) == 1 and process_group is None)
     if exact:
         _check_no_scripted_batch_norm(model)
-    run = _pick_schedule(schedule, store_device, _device(model)) if exact else plain
+    run = _pick_schedule(schedule, store_device, device) if exact else plain
 
     # Transaction: new gradients go to fresh .grad tensors, merged into the old ones only on success.
     params = [p for p in model.parameters() if p.requires_grad]

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from .functional import Moments
 
-__all__ = ["BNCall", "BatchNormCalls", "batch_norm_modules", "update_running_stats"]
+__all__ = ["BNCall", "BatchNormCalls", "batch_norm_modules", "sync_batch_norm_as_local", "update_running_stats"]
 
 _BATCH_NORM_ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 
