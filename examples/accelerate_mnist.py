@@ -74,3 +74,4 @@ with torch.no_grad():
         hits = accelerator.gather_for_metrics(model(x).argmax(1) == y)
         correct, total = correct + hits.sum().item(), total + len(hits)
 accelerator.print(f"final val_acc {correct / total:.4f} on {total} digits after {args.steps} steps")
+accelerator.end_training()  # destroys the process group of a multi-process run before the interpreter exits

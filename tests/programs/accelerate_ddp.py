@@ -36,6 +36,8 @@ def main(out: Path, clip: float) -> None:
     exact = ExactAccumulator(accelerator, model, optimizer, ce_loss, micro_batch_size=3)
     accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, clip)
     torch.save({"state": net.state_dict(), "batches": batches}, out / f"rank{accelerator.process_index}.pt")
+    # without it, gloo's threads may still be running when the interpreter exits: the process aborts after its work
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
