@@ -1,5 +1,5 @@
 """Shared test helpers: the whole-batch oracle, a relative-error measure, snapshots, a saved-tensor meter,
-and child processes."""
+the exact schedules by name, and child processes."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +9,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
+
+# "layerwise-threads": the layerwise schedule with the model's forward run as Python in its worker threads, as it
+# runs for a model torch.fx cannot trace; "layerwise" takes the fx graph where the model traces.
+EXACT_SCHEDULES = ("layerwise", "layerwise-threads", "passes")
+
+
+@contextmanager
+def schedule_named(name: str) -> Iterator[str]:
+    """accumnorm.backward's `schedule=` for a name of EXACT_SCHEDULES, valid inside the block."""
+    if name != "layerwise-threads":
+        yield name
+        return
+    layerwise = sys.modules["accumnorm.schedules.layerwise"]
+    own = layerwise.forward_graph
+    layerwise.forward_graph = lambda model, args, kwargs: ("no graph in this test", [])
+    try:
+        yield "layerwise"
+    finally:
+        layerwise.forward_graph = own
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:

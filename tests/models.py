@@ -1,5 +1,6 @@
 """Small models for the oracle tests, built with torch's norms: the oracle runs them as they are, accumnorm
-runs a copy (converted or not)."""
+runs a copy (converted or not). Their classes are `accumnorm.trace_safe`, so that schedule="layerwise" runs
+them from their torch.fx graph (tests/helpers.EXACT_SCHEDULES also runs them without)."""
 from __future__ import annotations
 
 import functools
@@ -9,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import accumnorm
 from helpers import ce_loss, sgd_halving
 
 Act = Callable[[], nn.Module]
@@ -25,6 +27,7 @@ def vgg(act: Act = nn.ReLU, widths=(8, 16, 16, 32), norm=nn.BatchNorm2d) -> nn.M
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c0, 10))
 
 
+@accumnorm.trace_safe
 class Block(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, act: Act) -> None:
         super().__init__()
@@ -58,6 +61,7 @@ def mlp(act: Act = nn.Tanh) -> nn.Module:
     )
 
 
+@accumnorm.trace_safe
 class SeqNet(nn.Module):
     """BatchNorm1d on 3D inputs (N, C, L): a small 1D conv net over sequences."""
 
@@ -102,6 +106,7 @@ def no_bn() -> nn.Module:
     return vgg(nn.Tanh, norm=lambda c: nn.GroupNorm(4, c))
 
 
+@accumnorm.trace_safe
 class Shared(nn.Module):
     """One BatchNorm layer called twice in a forward, on different tensors (running stats updated twice)."""
 
@@ -117,6 +122,7 @@ class Shared(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+@accumnorm.trace_safe
 class FunctionalBN(nn.Module):
     """BatchNorm through direct `F.batch_norm(..., training=True)` calls on the module's own tensors.
 

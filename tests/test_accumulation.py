@@ -18,7 +18,6 @@ from models import MODELS, SeqNet, Shared, conv3d, data, mixed, mlp, no_bn, resn
 
 SMOOTH = {"vgg": lambda: vgg(nn.Tanh), "resnet": lambda: resnet(nn.Tanh), "mlp": mlp, "seq": SeqNet,
           "conv3d": conv3d, "mixed": mixed}
-SCHEDULES = ["layerwise", "passes"]
 
 
 def run_both(build, shape, n, micro, dtype, bn="exact", schedule="auto"):
@@ -29,7 +28,6 @@ def run_both(build, shape, n, micro, dtype, bn="exact", schedule="auto"):
     return ref, ours, expected, loss
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("n,micro", [(12, 4), (11, 3), (7, 1)])
 def test_exact_matches_whole_batch_float64_smooth(name, n, micro, schedule):
@@ -38,7 +36,6 @@ def test_exact_matches_whole_batch_float64_smooth(name, n, micro, schedule):
     assert rel_err(loss, expected) < 1e-12, errs
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", ["vgg", "resnet"])
 def test_exact_matches_whole_batch_float64_relu_maxpool(name, schedule):
     build, shape = MODELS[name]
@@ -47,7 +44,6 @@ def test_exact_matches_whole_batch_float64_relu_maxpool(name, schedule):
     assert rel_err(loss, expected) < 1e-12
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_exact_matches_whole_batch_float32(name, schedule):
     build, shape = MODELS[name]
@@ -56,7 +52,6 @@ def test_exact_matches_whole_batch_float32(name, schedule):
     assert rel_err(loss, expected) < 1e-5
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_study_net_at_micro_batch_one_matches_batch_16(schedule):
     """The study's setting: micro-batch 1 x 16, ReLU and max-pool, float32."""
     ref, ours, expected, loss = run_both(lambda: vgg(widths=(32, 64, 128, 256)), (1, 28, 28), 16, 1, torch.float32,
@@ -90,7 +85,6 @@ def test_exact_differs_from_micro_where_it_should():
         compare(ref, ours, 1e-3)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_invariant_to_micro_batch_size(schedule):
     model = accumnorm.convert(resnet(nn.Tanh).double())
     batch = data((1, 12, 12), 12, torch.float64)
@@ -105,7 +99,6 @@ def test_invariant_to_micro_batch_size(schedule):
         assert all(rel_err(b, b0, 1e-8) < 1e-12 for b, b0 in zip(bufs, results[0][2]))
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_batch_as_dict_and_gradients_add_to_existing_grad(schedule):
     ref, ours = oracle_and_ours(mlp().double())
     x, y = data((64,), 9, torch.float64)
@@ -143,7 +136,6 @@ def test_a_single_micro_batch_takes_one_pass():
     assert rel_err(loss, expected) < 1e-12
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_layer_called_twice_per_forward_matches_whole_batch(schedule):
     ref, ours, expected, loss = run_both(Shared, (1, 8, 8), 10, 3, torch.float64, schedule=schedule)
     compare(ref, ours, 1e-9)
@@ -198,7 +190,6 @@ def test_dropout_draws_the_same_masks_in_every_pass_and_is_seeded():
     assert torch.equal(torch.rand(3), after_layerwise)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_bf16_autocast_keeps_statistics_in_float32(schedule):
     model = accumnorm.convert(vgg())
     batch = data((1, 16, 16), 8)
@@ -211,7 +202,6 @@ def test_bf16_autocast_keeps_statistics_in_float32(schedule):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_lazy_model_materializes_and_matches(schedule):
     torch.manual_seed(1)
     lazy = vgg(nn.Tanh, norm=lambda c: accumnorm.norm("bn")).double()
@@ -313,7 +303,6 @@ def test_under_a_grad_scaler_an_overflow_is_left_to_the_scaler():
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and scaler.get_scale() == 2.0**7
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_grad_scaler_scales_the_gradient(schedule):
     ref, ours = oracle_and_ours(mlp().double())
     batch = data((64,), 8, torch.float64)

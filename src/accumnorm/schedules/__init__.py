@@ -6,8 +6,9 @@
 - `passes`: 2L + 1 passes over the micro-batches for L BatchNorm calls, recomputing instead of
   storing; memory of one micro-batch, cost linear in depth.
 """
+from .graph import trace_safe
 from .layerwise import cannot_run_reason, layerwise, resolve_store
 from .passes import passes
 from .step import LossFn, Step, plain
 
-__all__ = ["Step", "LossFn", "plain", "layerwise", "passes", "cannot_run_reason", "resolve_store"]
+__all__ = ["Step", "LossFn", "plain", "layerwise", "passes", "cannot_run_reason", "resolve_store", "trace_safe"]
