@@ -4,8 +4,10 @@ them from their torch.fx graph (tests/helpers.EXACT_SCHEDULES also runs them wit
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -234,3 +236,47 @@ def lit_classifier() -> type:
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     return LitClassifier
+
+
+# ---------------------------------------------------------------- tests/test_trainer.py and its resume program
+def small_net() -> nn.Module:
+    """Conv-BN-ReLU, max-pool, dropout, Linear-BN1d-ReLU, 3 classes on (1, 8, 8) inputs, the same every call."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Dropout(0.2), nn.Linear(6 * 4 * 4, 16), nn.BatchNorm1d(16), nn.ReLU(),
+                         nn.Linear(16, 3))
+
+
+class NoisyDigits(torch.utils.data.Dataset):
+    """Samples for `small_net` with noise from numpy's and python's RNGs, so a resume must restore those too."""
+
+    def __init__(self, n: int = 44):
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        noise = np.random.standard_normal((1, 8, 8)).astype(np.float32) * 0.1 + random.random() * 0.1
+        return self.x[i] + torch.from_numpy(noise), self.y[i]
+
+
+# ---------------------------------------------------------------- tests/test_distributed.py and its ranks' program
+def ranks_net() -> nn.Module:
+    """Three BatchNorms (2d, 2d, 1d), 4 classes on (3, 8, 8) inputs, the same every call (on every rank)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def ranks_batches(sizes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Global batches of these sizes for `ranks_net`, the same every call (each rank takes its shard)."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in sizes]
+
+
+def ranks_sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of `ranks_net`'s runs: SGD with momentum, a constant learning rate."""
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

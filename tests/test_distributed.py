@@ -1,103 +1,28 @@
 """Two ranks with gloo on CPU train exactly like one process with the whole batch.
 
-The ranks are real processes started from torchrun's environment variables; this file is also
-their program (``python tests/test_distributed.py SCENARIO OUT`` with RANK, WORLD_SIZE, ...).
+The ranks are real processes started with torchrun's environment variables (RANK, WORLD_SIZE, ...);
+their program is tests/programs/distributed_ranks.py.
 """
-import os
 import subprocess
 import sys
-import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 
-import accumnorm
-from accumnorm import Trainer, distributed
 from helpers import ce_loss, cpu_env, launch_ranks, rel_err
+from models import ranks_batches, ranks_net, ranks_sgd
+from programs.distributed_ranks import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[1]
-MICRO = 2  # micro-batch 2 x 4 accumulation x 2 ranks = one batch of 16
-SCENARIOS = {"even": [16, 16, 16, 16], "uneven": [16, 16, 11], "ddp_wrapped": [16, 16, 16]}
+PROGRAM = ROOT / "tests" / "programs" / "distributed_ranks.py"
 
-
-def net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
-
-
-def batches(sizes):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 4, (n,), generator=g)) for n in sizes]
-
-
-def sgd(model):
-    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-
-# ---------------------------------------------------------------- the ranks' program
-def worker(scenario: str, out: Path) -> None:
-    env = distributed.init_from_env(timeout=timedelta(seconds=float(os.environ["PG_TIMEOUT_S"])))
-    if scenario == "exact":
-        for name, sizes in SCENARIOS.items():
-            model = accumnorm.convert(net())
-            if name == "ddp_wrapped":
-                model = nn.parallel.DistributedDataParallel(model)
-            trainer = Trainer(model, sgd(model), ce_loss, micro_batch_size=MICRO)
-            losses = [trainer.step(distributed.shard(b)) for b in batches(sizes)]
-            torch.save({"losses": losses, "state": trainer.model.state_dict()}, out / f"{name}-{env.rank}.pt")
-        resume(env.rank, out)
-        try:
-            distributed.shard(torch.zeros(1, 3))
-        except ValueError as e:
-            (out / f"shard-error-{env.rank}.txt").write_text(str(e))
-    elif scenario in ("raise", "stall"):
-        model = accumnorm.convert(net())
-        trainer = Trainer(model, sgd(model), ce_loss, micro_batch_size=MICRO)
-
-        def failing_loss(model, batch):
-            if env.rank == 1 and trainer.step_count == 2:
-                if scenario == "stall":  # alive, but never joins the step's collectives again
-                    time.sleep(600)
-                raise RuntimeError("rank 1 fails at step 3")
-            return ce_loss(model, batch)
-
-        trainer.loss_fn = failing_loss
-        for b in batches([16] * 5):
-            trainer.step(distributed.shard(b))
-        (out / f"finished-{env.rank}").touch()
-    torch.distributed.destroy_process_group()
-
-
-def resume(rank: int, out: Path) -> None:
-    """2 steps, save, 2 more; against a fresh trainer loaded from the checkpoint, 2 more. Each rank
-    draws its own dropout masks, so each must get its own RNG state back."""
-    def dropout_net() -> nn.Module:
-        return accumnorm.convert(nn.Sequential(net(), nn.Dropout(0.5)))
-
-    model = dropout_net()
-    trainer = Trainer(model, sgd(model), ce_loss, micro_batch_size=MICRO)
-    torch.manual_seed(100 + rank)
-    data = [distributed.shard(b) for b in batches([16] * 4)]
-    for b in data[:2]:
-        trainer.step(b)
-    trainer.save(out / "checkpoint.pt")
-    straight = [trainer.step(b) for b in data[2:]], model.state_dict()
-    model = dropout_net()
-    torch.manual_seed(7)  # whatever the RNG holds now, the checkpoint's comes back
-    trainer = Trainer.load(out / "checkpoint.pt", model, sgd(model), ce_loss)
-    resumed = [trainer.step(b) for b in data[2:]], model.state_dict()
-    torch.save({"straight": straight, "resumed": resumed}, out / f"resume-{rank}.pt")
 
 
 # ---------------------------------------------------------------- the tests
 def launch(scenario: str, out: Path, pg_timeout_s: float = 30, wait_s: float = 90, wait_for=(0, 1)):
-    """Start 2 ranks of this file's program as torchrun would (see helpers.launch_ranks)."""
-    return launch_ranks([__file__, scenario, str(out)], out, wait_s=wait_s, wait_for=wait_for,
+    """Start 2 ranks of tests/programs/distributed_ranks.py as torchrun would (see helpers.launch_ranks)."""
+    return launch_ranks([str(PROGRAM), scenario, str(out)], out, wait_s=wait_s, wait_for=wait_for,
                         PG_TIMEOUT_S=str(pg_timeout_s))
 
 
@@ -113,10 +38,10 @@ def exact_run(tmp_path_factory):
 def test_two_ranks_of_micro_batches_equal_one_process_with_the_whole_batch(exact_run, scenario):
     """Micro-batch 2 x 4 accumulation x 2 ranks against plain PyTorch on batches of 16 (and a short
     last batch of 11, split 6 + 5 over the ranks): parameters, running stats and losses."""
-    model = net()  # torch's own BatchNorm: the oracle
-    opt = sgd(model)
+    model = ranks_net()  # torch's own BatchNorm: the oracle
+    opt = ranks_sgd(model)
     oracle_losses = []
-    for b in batches(SCENARIOS[scenario]):
+    for b in ranks_batches(SCENARIOS[scenario]):
         opt.zero_grad()
         loss = ce_loss(model, b)
         loss.backward()
@@ -182,7 +107,3 @@ def test_example_runs_under_torchrun_like_one_process(tmp_path):
         losses[name] = [float(r.split(",")[2]) for r in rows if r.split(",")[1] == "loss"]
     assert len(losses["torchrun"]) == 3
     assert losses["torchrun"] == pytest.approx(losses["single"], rel=1e-5)
-
-
-if __name__ == "__main__":
-    worker(sys.argv[1], Path(sys.argv[2]))

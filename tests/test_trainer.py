@@ -1,12 +1,11 @@
 """The Trainer in one process: exact steps against whole-batch PyTorch, the fit loop and its logs,
 checkpoints that resume bit for bit after a real SIGKILL, bf16 autocast, and clear errors.
 
-This file is also the program of the killed and resumed runs: ``python tests/test_trainer.py MODE OUT``.
+The killed and resumed runs are tests/programs/trainer_resume.py, each in a fresh process.
 """
 import csv
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -21,7 +20,10 @@ import torch.nn.functional as F
 import accumnorm
 from accumnorm import Trainer
 from helpers import ce_loss, child_env, rel_err
-from models import vgg
+from models import NoisyDigits, small_net, vgg
+from programs.trainer_resume import KILL_IN_STEP, RESUME_STEPS
+
+PROGRAM = Path(__file__).parent / "programs" / "trainer_resume.py"
 
 
 @pytest.fixture(autouse=True)
@@ -33,31 +35,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def small_net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
-                         nn.Flatten(), nn.Dropout(0.2), nn.Linear(6 * 4 * 4, 16), nn.BatchNorm1d(16), nn.ReLU(),
-                         nn.Linear(16, 3))
-
-
 def read_metrics(directory: Path) -> list[dict]:
     with open(directory / "metrics.csv", newline="") as f:
         return list(csv.DictReader(f))
-
-
-class NoisyDigits(torch.utils.data.Dataset):
-    """Samples with noise from numpy's and python's RNGs, so a resume must restore those too."""
-
-    def __init__(self, n: int = 44):
-        g = torch.Generator().manual_seed(3)
-        self.x, self.y = torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-    def __len__(self):
-        return len(self.y)
-
-    def __getitem__(self, i):
-        noise = np.random.standard_normal((1, 8, 8)).astype(np.float32) * 0.1 + random.random() * 0.1
-        return self.x[i] + torch.from_numpy(noise), self.y[i]
 
 
 # ---------------------------------------------------------------- exactness in one process
@@ -242,46 +222,12 @@ def test_bf16_autocast_on_cpu_trains_the_study_net():
 
 
 # ---------------------------------------------------------------- kill and resume
-RESUME_STEPS, CHECKPOINT_EVERY, KILL_IN_STEP = 20, 5, 12
-
-
-def resume_program(mode: str, out: Path) -> None:
-    """full: 20 steps. killed: the same run, SIGKILLed inside step 12 (last checkpoint: step 10).
-    resumed: load out/checkpoint.pt in a fresh process and fit to step 20."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    np.random.seed(0)
-    random.seed(0)
-    model = accumnorm.convert(small_net())
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)
-    loader = torch.utils.data.DataLoader(NoisyDigits(), batch_size=8, shuffle=True)  # 6 batches, the last of 4
-
-    def maybe_killed(model, batch):
-        if mode == "killed" and trainer.step_count == KILL_IN_STEP - 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return ce_loss(model, batch)
-
-    def eval_fn(model):  # draws from the RNG too, as a validation sampler might
-        return torch.rand(()).item()
-
-    kwargs = dict(scheduler=sched)
-    if mode == "resumed":
-        trainer = Trainer.load(out / "checkpoint.pt", model, opt, maybe_killed, **kwargs)
-        assert trainer.step_count == 10
-    else:
-        trainer = Trainer(model, opt, maybe_killed, micro_batch_size=3, max_grad_norm=1.0, **kwargs)
-    trainer.fit(loader, steps=RESUME_STEPS, eval_fn=eval_fn, eval_every=4, log=out, checkpoint_every=CHECKPOINT_EVERY)
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state()},
-               out / "final.pt")
-
-
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
     """20 steps, against: killed by SIGKILL in step 12, resumed from the step-10 checkpoint in a fresh
     process, 10 more steps. Parameters, optimizer state, RNG and every logged loss are bit-identical."""
     def run(mode, out):
         env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
-        return subprocess.run([sys.executable, __file__, mode, str(out)], env=env, timeout=120,
+        return subprocess.run([sys.executable, PROGRAM, mode, str(out)], env=env, timeout=120,
                               capture_output=True, text=True)
 
     full, broken = tmp_path / "full", tmp_path / "broken"
@@ -305,7 +251,3 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
         return [(r["step"], r["name"], r["value"]) for r in read_metrics(d) if r["name"] != "samples_per_s"]
     assert logged(full) == logged(broken)
     assert [r[0] for r in logged(full) if r[1] == "loss"] == [str(s) for s in range(1, RESUME_STEPS + 1)]
-
-
-if __name__ == "__main__":
-    resume_program(sys.argv[1], Path(sys.argv[2]))
