@@ -22,7 +22,9 @@ Without a graph the schedule runs the forward as Python in the worker threads, w
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -98,12 +100,19 @@ def _modes() -> tuple[bool, ...]:
 
 
 class ForwardGraph:
-    """A traced forward that runs K calls in lockstep: `run(model, inputs, each, batch_norm)`."""
+    """A traced forward that runs K calls in lockstep: `run(inputs, each, batch_norm, guarded)`."""
 
     def __init__(self, graph: fx.Graph, model: nn.Module, constants: dict[str, Any]) -> None:
         self.nodes = list(graph.nodes)
         self.constants = constants  # tensors the trace found in the forward (fx would store them on the model)
-        self.batch_norm = {n for n in self.nodes if _is_batch_norm(n, model)}
+        self.model = weakref.ref(model)  # the cache holding this graph must not keep the model alive
+        # Modules are looked up once: a module added, removed or replaced changes the key of the graph.
+        self.modules = {n: model.get_submodule(n.target) for n in self.nodes if n.op == "call_module"}
+        self.batch_norm = {n for n in self.nodes if _is_batch_norm(n, self.modules.get(n))}
+        # A call of a function from outside torch (one of fx.wrap's) may hide a BatchNorm call; torch's leaf
+        # modules, tensor methods and torch's and Python's own functions make none.
+        self.opaque = {n for n in self.nodes if n.op == "call_function" and n not in self.batch_norm
+                       and not getattr(n.target, "__module__", "").startswith(("torch", "_operator", "builtins"))}
         # Free each value after its last use, as fx.Interpreter does: the graph's own memory is one micro-batch's
         # activations per micro-batch, not every intermediate of the whole batch.
         self.frees: dict[fx.Node, list[fx.Node]] = {}
@@ -114,14 +123,16 @@ class ForwardGraph:
                     seen.add(used)
                     self.frees.setdefault(node, []).append(used)
 
-    def run(self, model: nn.Module, inputs: list[list[Any]], each: Callable[[int, Callable[[], Any]], Any],
-            batch_norm: Callable[[list[Callable[[], Any]]], list[Any]]) -> list[Any]:
+    def run(self, inputs: list[list[Any]], each: Callable[[int, Callable[[], Any]], Any],
+            batch_norm: Callable[[list[Callable[[], Any]]], list[Any]],
+            guarded: Callable[[], contextlib.AbstractContextManager]) -> list[Any]:
         """The forward's output for each of the K argument lists `inputs` (one value per placeholder).
 
         Every node but a BatchNorm one runs as `each(k, run_it)` for k = 0..K-1 in turn (the caller switches
-        micro-batch k's random numbers in and out there); a BatchNorm node goes to `batch_norm([run_it, ...])`
-        with the K calls, which returns their K outputs.
+        micro-batch k's random numbers in and out there), inside `guarded()` if it may hide a BatchNorm call; a
+        BatchNorm node goes to `batch_norm([run_it, ...])` with the K calls, which returns their K outputs.
         """
+        model = self.model()
         envs: list[dict[fx.Node, Any]] = [{} for _ in inputs]
         placeholders = 0
         for node in self.nodes:
@@ -136,11 +147,12 @@ class ForwardGraph:
                 for env in envs:
                     env[node] = value
             else:
-                runs = [self._runner(model, node, env) for env in envs]
+                runs = [self._runner(node, env) for env in envs]
                 if node in self.batch_norm:
                     outputs = batch_norm(runs)
                 else:
-                    outputs = [each(k, run) for k, run in enumerate(runs)]
+                    with guarded() if node in self.opaque else contextlib.nullcontext():
+                        outputs = [each(k, run) for k, run in enumerate(runs)]
                 for env, out in zip(envs, outputs):
                     env[node] = out
             for used in self.frees.get(node, ()):
@@ -156,22 +168,21 @@ class ForwardGraph:
             value = getattr(value, name)
         return value
 
-    @staticmethod
-    def _runner(model: nn.Module, node: fx.Node, env: dict[fx.Node, Any]) -> Callable[[], Any]:
+    def _runner(self, node: fx.Node, env: dict[fx.Node, Any]) -> Callable[[], Any]:
         """A closure that runs `node` on one micro-batch's values."""
         def run() -> Any:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             if node.op == "call_module":
-                return model.get_submodule(node.target)(*args, **kwargs)
+                return self.modules[node](*args, **kwargs)
             if node.op == "call_method":
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return node.target(*args, **kwargs)
         return run
 
 
-def _is_batch_norm(node: fx.Node, model: nn.Module) -> bool:
+def _is_batch_norm(node: fx.Node, module: nn.Module | None) -> bool:
     if node.op == "call_module":
-        return isinstance(model.get_submodule(node.target), _BatchNorm)
+        return isinstance(module, _BatchNorm)
     return node.op == "call_function" and node.target is F.batch_norm
 
 
@@ -179,20 +190,23 @@ def _is_batch_norm(node: fx.Node, model: nn.Module) -> bool:
 _graphs: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ForwardGraph | str]] = weakref.WeakKeyDictionary()
 
 
-def forward_graph(model: nn.Module, args: tuple, kwargs: dict) -> tuple[ForwardGraph | str, list[Any]]:
-    """The graph of `model(*args, **kwargs)` (or why there is none) and the call's values for its placeholders."""
-    bound = _bind(model, args, kwargs)
-    if isinstance(bound, str):
-        return bound, []
-    values, concrete = bound
-    constants = tuple(concrete.items())
+def forward_graph(model: nn.Module, calls: list[tuple[tuple, dict]]) -> tuple[ForwardGraph | str, list[list[Any]]]:
+    """The graph of the model's forward for these K calls `(args, kwargs)` (or why there is none), and each call's
+    values for its placeholders."""
+    bound = [_bind(model, args, kwargs) for args, kwargs in calls]
+    reason = next((b for b in bound if isinstance(b, str)), None)
+    if reason is not None:
+        return reason, []
+    constants = tuple(bound[0][1].items())
+    if any(tuple(concrete.items()) != constants for _, concrete in bound):
+        return "the micro-batches call the model with different non-tensor arguments", []
     cached = _graphs.get(model)
     if cached is None or cached[0] != (_fingerprint(model), constants):
-        graph = _trace(model, concrete)
+        graph = _trace(model, bound[0][1])
         # Keyed by the state after tracing: a forward with side effects is not traced again for the same state.
         cached = (_fingerprint(model), constants), graph
         _graphs[model] = cached
-    return cached[1], values
+    return cached[1], [values for values, _ in bound]
 
 
 def give_up_graph(model: nn.Module, reason: str) -> None:
@@ -203,7 +217,9 @@ def give_up_graph(model: nn.Module, reason: str) -> None:
 
 def _bind(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[Any], dict[str, Any]] | str:
     """The call's arguments in the forward's order, and those that are constants; or why it cannot be traced."""
-    if isinstance(model, (torch.jit.ScriptModule, torch._dynamo.eval_frame.OptimizedModule)):
+    # torch.compile's wrapper can only exist once torch._dynamo is imported (importing it would take a second)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if isinstance(model, torch.jit.ScriptModule) or (eval_frame and isinstance(model, eval_frame.OptimizedModule)):
         return f"{type(model).__name__} is not traced by torch.fx"
     signature = inspect.signature(type(model).forward)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):

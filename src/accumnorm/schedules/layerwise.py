@@ -331,18 +331,19 @@ class _Lockstep:
     def _run_graph(self) -> None:
         """On the caller's thread: the K model calls of this round through the model's graph, node by node."""
         calls, self.arrived = self.arrived, [None] * len(self.arrived)
-        found = [forward_graph(self.step.model, call.args, call.kwargs) for call in calls]
-        graph = found[0][0]
-        if isinstance(graph, str) or any(g is not graph for g, _ in found):
+        graph, inputs = forward_graph(self.step.model, [(call.args, call.kwargs) for call in calls])
+        if isinstance(graph, str):
             self.outputs = [_AS_PYTHON] * len(calls)  # each worker runs the forward itself
             return
         torch.set_num_threads(self.threads)  # the workers' setting reaches MKL's global one (see _work)
         with contextlib.ExitStack() as stack:
             if self.store is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.store.pack, self.store.unpack))
-            stack.enter_context(BatchNormCalls(self._graph_call, self.step.owners))
-            self.outputs = graph.run(self.step.model, [values for _, values in found], self._each,
-                                     self._graph_batch_norm)
+            self.outputs = graph.run(inputs, self._each, self._graph_batch_norm, self._guarded)
+
+    def _guarded(self) -> BatchNormCalls:
+        """The caller thread's view of F.batch_norm calls while it runs a graph node that may make one."""
+        return BatchNormCalls(self._graph_call, self.step.owners)
 
     def _each(self, k: int, run: Callable[[], Any]) -> Any:
         """Run a graph node for micro-batch k, with its random numbers."""
@@ -357,25 +358,28 @@ class _Lockstep:
         together, then each runs again and F.batch_norm returns its share (anything after it runs once)."""
         # NOTE: a BatchNorm module's forward thus runs twice per micro-batch (its pre-hooks too); what it does
         # before F.batch_norm is checking the input and bumping num_batches_tracked, which the step resets.
-        self.capturing = True
-        try:
-            calls = []
-            for k, run in enumerate(runs):
-                try:
-                    out = self._each(k, run)
-                except _Captured as captured:
-                    calls.append(captured.call)
-                    continue
-                if k == 0:  # no batch statistics here (a BatchNorm module in eval mode): an ordinary node
-                    return [out] + [self._each(j, r) for j, r in enumerate(runs[1:], 1)]
-                raise ValueError("bn='exact' needs the same sequence of BatchNorm calls in every micro-batch's "
-                                 f"forward; micro-batch {k} made no BatchNorm call where micro-batch 0 made one")
-        finally:
-            self.capturing = False
+        calls = []
+        with self._guarded():
+            self.capturing = True
+            try:
+                for k, run in enumerate(runs):
+                    try:
+                        out = self._each(k, run)
+                    except _Captured as captured:
+                        calls.append(captured.call)
+                        continue
+                    if k == 0:  # no batch statistics here (a BatchNorm module in eval mode): an ordinary node
+                        self.capturing = False
+                        return [out] + [self._each(j, r) for j, r in enumerate(runs[1:], 1)]
+                    raise ValueError("bn='exact' needs the same sequence of BatchNorm calls in every micro-batch's "
+                                     f"forward; micro-batch {k} made no BatchNorm call where micro-batch 0 made one")
+            finally:
+                self.capturing = False
         self.arrived = calls
         self._check_round()
         self._normalize()
-        return [self._each(k, run) for k, run in enumerate(runs)]
+        with self._guarded():
+            return [self._each(k, run) for k, run in enumerate(runs)]
 
     def _graph_call(self, bn: BNCall) -> Tensor:
         """The caller thread's F.batch_norm calls, while it runs the graph."""
