@@ -13,7 +13,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
-from helpers import SavedBytes, assert_unchanged, ce_loss, compare, oracle_and_ours, rel_err, snapshot, whole_batch
+from helpers import (
+    SavedBytes,
+    assert_unchanged,
+    ce_loss,
+    compare,
+    oracle_and_ours,
+    rel_err,
+    schedule_named,
+    snapshot,
+    whole_batch,
+)
 from models import MODELS, SeqNet, Shared, conv3d, data, mixed, mlp, no_bn, resnet, vgg
 
 SMOOTH = {"vgg": lambda: vgg(nn.Tanh), "resnet": lambda: resnet(nn.Tanh), "mlp": mlp, "seq": SeqNet,
@@ -118,8 +128,9 @@ def test_eval_mode_is_a_single_pass_with_running_stats():
     expected = whole_batch(ref, batch)
     calls = []
     loss_fn = lambda m, b: calls.append(1) or ce_loss(m, b)  # noqa: E731
-    loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2)
-    assert len(calls) == 3  # one pass: eval BatchNorm couples no samples
+    with schedule_named("layerwise-threads") as schedule:
+        loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    assert len(calls) == 3  # one forward per micro-batch: eval BatchNorm couples no samples
     compare(ref, ours, 1e-10)
     assert rel_err(loss, expected) < 1e-12
 
@@ -354,7 +365,7 @@ def test_auto_falls_back_to_passes_when_layerwise_runs_out_of_memory():
     with pytest.warns(RuntimeWarning, match="layerwise schedule ran out of memory .* using the passes schedule"):
         accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2)
     compare(ref, ours, 1e-9)
-    assert calls[0].startswith("accumnorm-micro-batch") and calls[-1] == threading.current_thread().name
+    assert len(calls) > 3  # passes ran the whole step again after the failure
     with pytest.raises(torch.OutOfMemoryError):  # asked for by name, layerwise does not fall back
         calls.clear()
         accumnorm.backward(copy.deepcopy(ref), batch, loss_fn, micro_batch_size=2, schedule="layerwise")

@@ -201,3 +201,45 @@ def test_tensor_constants_of_the_trace_stay_off_the_model():
     names = set(vars(model))
     assert exact_on(lambda: model, data((6,), 8, torch.float64)) == CALLER
     assert set(vars(model)) == names
+
+
+def test_loss_fn_before_the_model_call_draws_the_same_random_numbers_in_every_schedule():
+    """On the traced path the part of loss_fn before the model call runs again: it must draw the same noise,
+    and what comes after (the model's dropout, the loss's noise) must go on from there, as in one run."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.4), nn.Linear(16, 10)).double()
+
+    def noisy(m, b):
+        x = b[0] + 0.1 * torch.randn_like(b[0])  # an augmentation
+        return ce_loss(m, (x, b[1])) + 1e-3 * torch.rand(()).item()
+
+    batch = data((6,), 12, torch.float64)
+    grads = {}
+    for name in ("layerwise", "layerwise-threads", "passes"):
+        ours = copy.deepcopy(model)
+        torch.manual_seed(7)
+        with schedule_named(name) as schedule:
+            threads = ran_on(ours, ours[0], batch, micro=3, loss_fn=noisy) if name != "passes" else None
+            if name == "passes":
+                accumnorm.backward(ours, batch, noisy, micro_batch_size=3, schedule=schedule)
+        assert threads is None or (threads == CALLER) == (name == "layerwise")
+        grads[name] = [p.grad for p in ours.parameters()]
+    for name in ("layerwise", "layerwise-threads"):
+        for g, want in zip(grads[name], grads["passes"]):
+            torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss_fn", [
+    lambda m, b: ce_loss(m[1:], (m[0](b[0]), b[1])),  # the model's parts, not the model
+    lambda m, b: F.cross_entropy(F.batch_norm(m(b[0]), None, None, training=True), b[1]),  # a BN call after it
+], ids=["model-parts", "batch-norm-in-loss_fn"])
+def test_a_loss_fn_the_traced_path_cannot_run_goes_to_threads_and_stays_exact(loss_fn):
+    build = lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10))  # noqa: E731
+    threads = exact_on(build, data((6,), 8, torch.float64), loss_fn=loss_fn, leaf=lambda m: m[0])
+    assert len(threads - CALLER) == 4  # after a start on the caller's thread, given up before the backward
+
+
+def test_micro_batches_calling_the_model_a_different_number_of_times_are_refused():
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 10))
+    loss_fn = lambda m, b: ce_loss(m, b) + (m(b[0]).mean() if len(b[0]) == 2 else 0)  # noqa: E731
+    with pytest.raises(ValueError, match="call the model as often"):
+        accumnorm.backward(model, data((6,), 8), loss_fn, micro_batch_size=3, schedule="layerwise")

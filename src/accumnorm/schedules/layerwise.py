@@ -1,33 +1,32 @@
 """The layerwise schedule: the micro-batches go through the network in lockstep, one BatchNorm call at a time.
 
-Each micro-batch's forward (loss_fn on it) runs in a thread of its own, and the threads take turns:
-each runs until its next BatchNorm call, then hands over to the next one. Once all K have reached the
-call, one autograd node normalizes all of them with the whole batch's statistics
-(`functional.normalize_joint`), and they go on to the next call. The backward is one call over the K
-losses: autograd runs the joint node's backward once every micro-batch's gradient at its output is
-known, which is exactly when the whole-batch sums sum(dy) and sum(dy * x_hat) can be formed.
+The micro-batches' forwards (loss_fn on each) take turns: each runs until its next BatchNorm call, then
+hands over to the next one. Once all K have reached the call, one autograd node normalizes all of them
+with the whole batch's statistics (`functional.normalize_joint`), and they go on to the next call. The
+backward is one call over the K losses: autograd runs the joint node's backward once every micro-batch's
+gradient at its output is known, which is exactly when the whole-batch sums sum(dy) and sum(dy * x_hat)
+can be formed.
 
 Cost: one forward and one backward of each micro-batch, as plain accumulation, at any depth. Price:
 the K graphs live together until the backward, so autograd's saved tensors of the whole batch are
 kept, in `store` (on CUDA, pinned host memory by default: the device then holds about what one
 micro-batch needs, plus the tensors that cross the current BatchNorm call for all K).
 
-Why threads: the forward is arbitrary Python (the model and loss_fn); a thread is the one way to pause
-it at a BatchNorm call and resume it later without tracing it, so any model runs as written, control
-flow and all. Only one thread runs at a time (a baton goes round), so a step is deterministic; the
-workers use one intra-op thread each and the backward the caller's (see `_Lockstep._work` for why).
-When the model traces with torch.fx (`graph.py`), the workers only run loss_fn: their calls of the model
-meet in a round like a BatchNorm call's, and the caller's thread runs the model's graph for all K, one
-node at a time, with the caller's intra-op threads. Thread-local state reaches every worker as
-DataParallel hands it on: grad mode, autocast, CUDA device and stream, saved-tensor hooks. Each
-micro-batch has its own random-number state, seeded as the passes schedule seeds it, so both
-schedules draw the same dropout masks.
+Two ways to run the lockstep. A model that torch.fx traces (`graph.py`) runs from its graph, on the
+caller's thread (`traced.py`). Any other model runs as Python, one thread per micro-batch: a thread is
+the one way to pause arbitrary Python at a BatchNorm call and resume it later without tracing it, so
+any model runs as written, control flow and all. Only one thread runs at a time (a baton goes round),
+so a step is deterministic; the forwards use one intra-op thread each and the backward the caller's
+(see `_Lockstep._work` for why). Thread-local state reaches every worker as DataParallel hands it on:
+grad mode, autocast, CUDA device and stream, saved-tensor hooks. Each micro-batch has its own
+random-number state, seeded as the passes schedule seeds it, so all schedules draw the same dropout
+masks.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,10 +34,9 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from ..functional import moments, normalize_joint, stack_moments
 from ..intercept import BatchNormCalls, BNCall
-from .graph import forward_graph, give_up_graph
-from .step import Step
+from .step import RngStates, Step
+from .traced import run_traced
 
 __all__ = ["layerwise", "cannot_run_reason", "resolve_store"]
 
@@ -74,32 +72,6 @@ def cannot_run_reason() -> str | None:
 
 class _Aborted(BaseException):
     """Unwinds a micro-batch's forward once the step has failed. BaseException: `except Exception` won't eat it."""
-
-
-class _Captured(BaseException):
-    """Stops a BatchNorm node of the graph at its F.batch_norm call, whose arguments it carries."""
-
-    def __init__(self, call: BNCall) -> None:
-        super().__init__()
-        self.call = call
-
-
-class _GraphMissedCall(Exception):
-    """A BatchNorm call ran inside a graph node not marked as one: the graph cannot run this model's forward."""
-
-
-class _ModelCall:
-    """A micro-batch's call of the model, stopped until the K calls run through the model's graph together."""
-
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        self.args, self.kwargs = args, kwargs
-
-    @staticmethod
-    def describe() -> str:
-        return "call of the model"
-
-
-_AS_PYTHON = object()  # the answer to a model call when the model has no graph: run the forward in the worker
 
 
 class _Store:
@@ -150,43 +122,19 @@ class _CallerState:
             yield
 
 
-class _RngStates:
-    """One generator state per micro-batch, switched in and out with the baton."""
-
-    def __init__(self, seeds: list[int], cuda_devices: list[int]) -> None:
-        self.seeds, self.cuda_devices = seeds, cuda_devices
-        self.states: list[list[Tensor] | None] = [None] * len(seeds)
-
-    def _generators(self) -> list[torch.Generator]:
-        return [torch.default_generator] + [torch.cuda.default_generators[d] for d in self.cuda_devices]
-
-    def switch_in(self, k: int) -> None:
-        state = self.states[k]
-        for i, g in enumerate(self._generators()):
-            if state is None:
-                g.manual_seed(self.seeds[k])
-            else:
-                g.set_state(state[i])
-
-    def switch_out(self, k: int) -> None:
-        self.states[k] = [g.get_state() for g in self._generators()]
-
-
 class _Lockstep:
     """K worker threads, one per micro-batch, passing a baton: see the module doc."""
 
-    def __init__(self, step: Step, store: _Store | None, use_graph: bool) -> None:
-        self.step, self.store, self.use_graph = step, store, use_graph
+    def __init__(self, step: Step, store: _Store | None) -> None:
+        self.step = step
         k = len(step.micro_batches)
         self.caller = _CallerState(store)
         step.draw_seeds()
-        self.rng = _RngStates(step.seeds, step.cuda_devices)
+        self.rng = RngStates(step.seeds, step.cuda_devices)
         self.turns = [threading.Semaphore(0) for _ in range(k)]
         self.finished = threading.Semaphore(0)  # the caller waits here for the forwards
-        self.arrived: list[BNCall | _ModelCall | None] = [None] * k  # where each micro-batch stopped in this round
-        self.outputs: list[Any] = [None] * k
-        self.graph_round = False  # the workers wait for the caller to run the model's graph
-        self.capturing = False  # a graph BatchNorm node: True while its calls are captured, False while replayed
+        self.arrived: list[BNCall | None] = [None] * k  # where each micro-batch stopped in this round
+        self.outputs: list[Tensor | None] = [None] * k
         self.roots: list[Tensor | None] = [None] * k  # weighted losses still to back-propagate
         self.rounds = 0  # BN calls completed by all micro-batches so far
         self.error: BaseException | None = None
@@ -198,18 +146,13 @@ class _Lockstep:
         step = self.step
         threads = [threading.Thread(target=self._work, args=(k,), name=f"accumnorm-micro-batch-{k}", daemon=True)
                    for k in range(len(step.micro_batches))]
-        with torch.random.fork_rng(devices=step.cuda_devices), self._model_calls_meet():
+        with torch.random.fork_rng(devices=step.cuda_devices):  # the caller's generators end as they were
             for t in threads:
                 t.start()
             self.turns[0].release()
             try:
                 self.finished.acquire()
-                while self.graph_round and not self.aborted:
-                    self.graph_round = False
-                    self._run_graph()
-                    self.turns[0].release()
-                    self.finished.acquire()
-            except BaseException as e:  # Ctrl-C while the forwards run, or the graph failed: stop the workers too
+            except BaseException as e:  # Ctrl-C while the forwards run: stop them too
                 self._abort(e)
             for t in threads:
                 t.join()
@@ -231,7 +174,10 @@ class _Lockstep:
         # libgomp stops spinning between parallel regions for every team, plain torch's too (4 idle
         # teams cost it 40% on 2 cores). The backward, two thirds of the work, runs in the caller's
         # thread with the caller's thread count, restored before it starts.
+        # torch.set_num_threads sets this thread's OpenMP count and torch's global one, which a thread's first
+        # parallel op copies: get_num_threads makes that copy now, before another thread changes the global.
         torch.set_num_threads(1)
+        torch.get_num_threads()
         try:
             self.rng.switch_in(k)
             with self.caller.enter(), BatchNormCalls(self._arrive, self.step.owners):
@@ -252,32 +198,10 @@ class _Lockstep:
         except BaseException as e:
             self._abort(e)
 
-    @contextlib.contextmanager
-    def _model_calls_meet(self) -> Iterator[None]:
-        """While the step runs, the workers' calls of the model wait for each other (to run the graph) in `_call`."""
-        model = self.step.model
-        if not self.use_graph or "forward" in vars(model):
-            yield
-            return
-        own_forward = model.forward
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if getattr(self.local, "k", None) is None:  # not a worker's call
-                return own_forward(*args, **kwargs)
-            out = self._arrive(_ModelCall(args, kwargs))
-            return own_forward(*args, **kwargs) if out is _AS_PYTHON else out
-
-        model.forward = forward
-        try:
-            yield
-        finally:
-            del model.forward
-
-    def _arrive(self, call: BNCall | _ModelCall) -> Any:
-        """A micro-batch's forward reached a BatchNorm call or a model call: wait for the others, go on with the
-        joint output."""
+    def _arrive(self, bn: BNCall) -> Tensor:
+        """A micro-batch's forward reached a BatchNorm call: wait for the others, go on with the joint output."""
         k = self.local.k
-        self.arrived[k] = call
+        self.arrived[k] = bn
         self._pass_baton(k)
         self.turns[k].acquire()
         if self.aborted:
@@ -296,10 +220,6 @@ class _Lockstep:
                 self.finished.release()
                 return
             self._check_round()
-            if isinstance(self.arrived[0], _ModelCall):  # the caller runs the graph, then restarts the round
-                self.graph_round = True
-                self.finished.release()
-                return
             self._normalize()
         except BaseException as e:
             self._abort(e)
@@ -309,8 +229,7 @@ class _Lockstep:
     def _check_round(self) -> None:
         first = self.arrived[0]
         for k, bn in enumerate(self.arrived):
-            if bn is None or first is None or type(bn) is not type(first) or (
-                    isinstance(bn, BNCall) and not bn.same_layer(first)):
+            if bn is None or first is None or not bn.same_layer(first):
                 raise ValueError(
                     f"bn='exact' needs the same sequence of BatchNorm calls in every micro-batch's forward; at "
                     f"BatchNorm call {self.rounds} micro-batch 0 {_where(first)} while micro-batch {k} {_where(bn)}"
@@ -318,78 +237,9 @@ class _Lockstep:
 
     def _normalize(self) -> None:
         """All micro-batches are at the same BatchNorm call: normalize them together."""
-        calls, first = self.arrived, self.arrived[0]
-        with torch.no_grad():
-            local = stack_moments([moments(bn.input) for bn in calls])
-        first.stats = self.step.collectives.merge_moments(local)
-        self.outputs = list(normalize_joint([bn.input for bn in calls], first.stats, first.weight, first.bias,
-                                            first.eps, self.step.collectives.sum_))
-        self.arrived = [None] * len(calls)
-        self.step.calls.append(first)
+        self.outputs = self.step.normalize_jointly(self.arrived)
+        self.arrived = [None] * len(self.arrived)
         self.rounds += 1
-
-    def _run_graph(self) -> None:
-        """On the caller's thread: the K model calls of this round through the model's graph, node by node."""
-        calls, self.arrived = self.arrived, [None] * len(self.arrived)
-        graph, inputs = forward_graph(self.step.model, [(call.args, call.kwargs) for call in calls])
-        if isinstance(graph, str):
-            self.outputs = [_AS_PYTHON] * len(calls)  # each worker runs the forward itself
-            return
-        torch.set_num_threads(self.threads)  # the workers' setting reaches MKL's global one (see _work)
-        with contextlib.ExitStack() as stack:
-            if self.store is not None:
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.store.pack, self.store.unpack))
-            self.outputs = graph.run(inputs, self._each, self._graph_batch_norm, self._guarded)
-
-    def _guarded(self) -> BatchNormCalls:
-        """The caller thread's view of F.batch_norm calls while it runs a graph node that may make one."""
-        return BatchNormCalls(self._graph_call, self.step.owners)
-
-    def _each(self, k: int, run: Callable[[], Any]) -> Any:
-        """Run a graph node for micro-batch k, with its random numbers."""
-        self.rng.switch_in(k)
-        try:
-            return run()
-        finally:
-            self.rng.switch_out(k)
-
-    def _graph_batch_norm(self, runs: list[Callable[[], Any]]) -> list[Any]:
-        """A BatchNorm node of the graph for all K: each call is captured at F.batch_norm, the K are normalized
-        together, then each runs again and F.batch_norm returns its share (anything after it runs once)."""
-        # NOTE: a BatchNorm module's forward thus runs twice per micro-batch (its pre-hooks too); what it does
-        # before F.batch_norm is checking the input and bumping num_batches_tracked, which the step resets.
-        calls = []
-        with self._guarded():
-            self.capturing = True
-            try:
-                for k, run in enumerate(runs):
-                    try:
-                        out = self._each(k, run)
-                    except _Captured as captured:
-                        calls.append(captured.call)
-                        continue
-                    if k == 0:  # no batch statistics here (a BatchNorm module in eval mode): an ordinary node
-                        self.capturing = False
-                        return [out] + [self._each(j, r) for j, r in enumerate(runs[1:], 1)]
-                    raise ValueError("bn='exact' needs the same sequence of BatchNorm calls in every micro-batch's "
-                                     f"forward; micro-batch {k} made no BatchNorm call where micro-batch 0 made one")
-            finally:
-                self.capturing = False
-        self.arrived = calls
-        self._check_round()
-        self._normalize()
-        with self._guarded():
-            return [self._each(k, run) for k, run in enumerate(runs)]
-
-    def _graph_call(self, bn: BNCall) -> Tensor:
-        """The caller thread's F.batch_norm calls, while it runs the graph."""
-        if self.capturing:
-            raise _Captured(bn)
-        k = next((k for k, out in enumerate(self.outputs) if out is not None), None)
-        if k is None:
-            raise _GraphMissedCall(f"a {bn.describe()} ran inside a graph node that is not a BatchNorm call")
-        out, self.outputs[k] = self.outputs[k], None
-        return out
 
     def _abort(self, error: BaseException) -> None:
         """Record the first error and wake every thread, which then unwinds."""
@@ -407,11 +257,6 @@ def _where(bn: BNCall | None) -> str:
 
 def layerwise(step: Step, store: torch.device, model_device: torch.device) -> None:
     """Exact BatchNorm with the micro-batches in lockstep (module doc); fills `step.losses` and `step.calls`."""
-    store_hooks = _Store(store) if store != model_device else None
-    try:
-        _Lockstep(step, store_hooks, use_graph=True).run()
-    except _GraphMissedCall as e:
-        # The trace hid a BatchNorm call inside another node: run this model's forward as Python from now on.
-        give_up_graph(step.model, str(e))
-        step.restart()
-        _Lockstep(step, store_hooks, use_graph=False).run()
+    hooks = _Store(store) if store != model_device else None
+    if not run_traced(step, hooks and (hooks.pack, hooks.unpack)):  # the model has no graph: run it in threads
+        _Lockstep(step, hooks).run()

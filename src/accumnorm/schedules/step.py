@@ -12,9 +12,10 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..distributed import Collectives
+from ..functional import moments, normalize_joint, stack_moments
 from ..intercept import BNCall
 
-__all__ = ["Step", "LossFn", "plain", "replay_rng"]
+__all__ = ["Step", "LossFn", "RngStates", "plain", "replay_rng"]
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -67,6 +68,17 @@ class Step:
         loss = loss * self.weights[k]
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
+    def normalize_jointly(self, calls: list[BNCall]) -> list[Tensor]:
+        """The K micro-batches' calls of one BatchNorm call, normalized with their joint (and all ranks')
+        statistics by one autograd node; the call is recorded for the running-statistics update."""
+        first = calls[0]
+        with torch.no_grad():
+            local = stack_moments([moments(bn.input) for bn in calls])
+        first.stats = self.collectives.merge_moments(local)
+        self.calls.append(first)
+        return list(normalize_joint([bn.input for bn in calls], first.stats, first.weight, first.bias, first.eps,
+                                    self.collectives.sum_))
+
     @contextmanager
     def rng(self, k: int) -> Iterator[None]:
         """Micro-batch k's random numbers: the same in every pass over it."""
@@ -87,6 +99,29 @@ def replay_rng(seed: int | None, cuda_devices: list[int]) -> Iterator[None]:
         for d in cuda_devices:
             torch.cuda.default_generators[d].manual_seed(seed)
         yield
+
+
+class RngStates:
+    """One generator state per micro-batch of a step (seeded from `Step.seeds`), switched in and out as the
+    micro-batches take turns, so that each draws the numbers it would draw running alone."""
+
+    def __init__(self, seeds: list[int], cuda_devices: list[int]) -> None:
+        self.seeds, self.cuda_devices = seeds, cuda_devices
+        self.states: list[list[Tensor] | None] = [None] * len(seeds)
+
+    def _generators(self) -> list[torch.Generator]:
+        return [torch.default_generator] + [torch.cuda.default_generators[d] for d in self.cuda_devices]
+
+    def switch_in(self, k: int) -> None:
+        state = self.states[k]
+        for i, g in enumerate(self._generators()):
+            if state is None:
+                g.manual_seed(self.seeds[k])
+            else:
+                g.set_state(state[i])
+
+    def switch_out(self, k: int) -> None:
+        self.states[k] = [g.get_state() for g in self._generators()]
 
 
 def plain(step: Step) -> None:
