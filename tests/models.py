@@ -153,6 +153,11 @@ class FunctionalBN(nn.Module):
 SMOOTH = {nn.ReLU: nn.SiLU, nn.ReLU6: nn.SiLU, nn.Hardswish: nn.SiLU, nn.Hardsigmoid: nn.Sigmoid}
 
 
+# The families with smooth activations (no ReLU kink, no max-pool ties), for float64 comparisons to 1e-9.
+SMOOTH_FAMILIES = {"vgg": lambda: vgg(nn.Tanh), "resnet": lambda: resnet(nn.Tanh), "mlp": mlp, "seq": SeqNet,
+                   "conv3d": conv3d, "mixed": mixed}
+
+
 def smooth(model: nn.Module) -> nn.Module:
     """Swap every ReLU/ReLU6/Hardswish/Hardsigmoid module of `model` for SiLU/Sigmoid, in place."""
     for parent in list(model.modules()):

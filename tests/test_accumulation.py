@@ -24,10 +24,7 @@ from helpers import (
     snapshot,
     whole_batch,
 )
-from models import MODELS, SeqNet, Shared, conv3d, data, mixed, mlp, no_bn, resnet, vgg
-
-SMOOTH = {"vgg": lambda: vgg(nn.Tanh), "resnet": lambda: resnet(nn.Tanh), "mlp": mlp, "seq": SeqNet,
-          "conv3d": conv3d, "mixed": mixed}
+from models import MODELS, SMOOTH_FAMILIES, Shared, data, mlp, no_bn, resnet, vgg
 
 
 def run_both(build, shape, n, micro, dtype, bn="exact", schedule="auto"):
@@ -41,7 +38,8 @@ def run_both(build, shape, n, micro, dtype, bn="exact", schedule="auto"):
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("n,micro", [(12, 4), (11, 3), (7, 1)])
 def test_exact_matches_whole_batch_float64_smooth(name, n, micro, schedule):
-    ref, ours, expected, loss = run_both(SMOOTH[name], MODELS[name][1], n, micro, torch.float64, schedule=schedule)
+    ref, ours, expected, loss = run_both(SMOOTH_FAMILIES[name], MODELS[name][1], n, micro, torch.float64,
+                                         schedule=schedule)
     errs = compare(ref, ours, 1e-9)
     assert rel_err(loss, expected) < 1e-12, errs
 

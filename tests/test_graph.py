@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
-from helpers import ce_loss, compare, schedule_named, whole_batch
+from helpers import EXACT_SCHEDULES, ce_loss, compare, schedule_named, whole_batch
 from models import data, timm_model, torchvision_model
 
 
@@ -177,20 +177,30 @@ def test_a_batchnorm_call_hidden_in_a_graph_node_restarts_the_step_in_threads():
         compare(model, ours, 1e-9)
 
 
-def test_dropout_draws_the_same_masks_from_the_graph_as_in_threads_and_passes():
-    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.3),
-                          nn.Linear(16, 10)).double()
-    batch = data((6,), 12, torch.float64)
-    grads = {}
-    for name in ("layerwise", "layerwise-threads", "passes"):
+def grads_in_every_schedule(model: nn.Module, batch, loss_fn=ce_loss, micro: int = 3, seed: int = 5):
+    """The gradients of one step of `model` under each of EXACT_SCHEDULES from the same seed, each with the
+    threads its first layer ran on; the two layerwise ones checked equal to passes (same random numbers)."""
+    grads, threads = {}, {}
+    for name in EXACT_SCHEDULES:
         ours = copy.deepcopy(model)
-        torch.manual_seed(5)
+        torch.manual_seed(seed)
         with schedule_named(name) as schedule:
-            accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+            if schedule == "layerwise":
+                threads[name] = ran_on(ours, ours[0], batch, micro, loss_fn)
+            else:
+                accumnorm.backward(ours, batch, loss_fn, micro_batch_size=micro, schedule=schedule)
         grads[name] = [p.grad for p in ours.parameters()]
     for name in ("layerwise", "layerwise-threads"):
         for g, want in zip(grads[name], grads["passes"]):
             torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+    return threads
+
+
+def test_dropout_draws_the_same_masks_from_the_graph_as_in_threads_and_passes():
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.3),
+                          nn.Linear(16, 10)).double()
+    threads = grads_in_every_schedule(model, data((6,), 12, torch.float64))
+    assert threads["layerwise"] == CALLER and CALLER.isdisjoint(threads["layerwise-threads"])
 
 
 def test_tensor_constants_of_the_trace_stay_off_the_model():
@@ -210,22 +220,10 @@ def test_loss_fn_before_the_model_call_draws_the_same_random_numbers_in_every_sc
 
     def noisy(m, b):
         x = b[0] + 0.1 * torch.randn_like(b[0])  # an augmentation
-        return ce_loss(m, (x, b[1])) + 1e-3 * torch.rand(()).item()
+        return ce_loss(m, (x, b[1])) * (1 + torch.rand((), dtype=x.dtype))  # drawn after the model's dropout
 
-    batch = data((6,), 12, torch.float64)
-    grads = {}
-    for name in ("layerwise", "layerwise-threads", "passes"):
-        ours = copy.deepcopy(model)
-        torch.manual_seed(7)
-        with schedule_named(name) as schedule:
-            threads = ran_on(ours, ours[0], batch, micro=3, loss_fn=noisy) if name != "passes" else None
-            if name == "passes":
-                accumnorm.backward(ours, batch, noisy, micro_batch_size=3, schedule=schedule)
-        assert threads is None or (threads == CALLER) == (name == "layerwise")
-        grads[name] = [p.grad for p in ours.parameters()]
-    for name in ("layerwise", "layerwise-threads"):
-        for g, want in zip(grads[name], grads["passes"]):
-            torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+    threads = grads_in_every_schedule(model, data((6,), 12, torch.float64), noisy, seed=7)
+    assert threads["layerwise"] == CALLER and CALLER.isdisjoint(threads["layerwise-threads"])
 
 
 @pytest.mark.parametrize("loss_fn", [

@@ -34,13 +34,10 @@ from helpers import (
 )
 from models import (
     MODELS,
+    SMOOTH_FAMILIES,
     FunctionalBN,
-    SeqNet,
     Shared,
-    conv3d,
     data,
-    mixed,
-    mlp,
     resnet,
     smooth,
     timm_model,
@@ -48,8 +45,6 @@ from models import (
     vgg,
 )
 
-SMOOTH_FAMILIES = {"vgg": lambda: vgg(nn.Tanh), "resnet": lambda: resnet(nn.Tanh), "mlp": mlp, "seq": SeqNet,
-                   "conv3d": conv3d, "mixed": mixed}
 LOSS_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 IMAGE = (3, 32, 32)
 
