@@ -112,7 +112,7 @@ class ForwardGraph:
         # A call of a function from outside torch (one of fx.wrap's) may hide a BatchNorm call; torch's leaf
         # modules, tensor methods and torch's and Python's own functions make none.
         self.opaque = {n for n in self.nodes if n.op == "call_function" and n not in self.batch_norm
-                       and not getattr(n.target, "__module__", "").startswith(("torch", "_operator", "builtins"))}
+                       and not _is_torch_or_python(n.target)}
         # Free each value after its last use, as fx.Interpreter does: the graph's own memory is one micro-batch's
         # activations per micro-batch, not every intermediate of the whole batch.
         self.frees: dict[fx.Node, list[fx.Node]] = {}
@@ -178,6 +178,11 @@ class ForwardGraph:
                 return getattr(args[0], node.target)(*args[1:], **kwargs)
             return node.target(*args, **kwargs)
         return run
+
+
+def _is_torch_or_python(function: Any) -> bool:
+    module = getattr(function, "__module__", None) or ""
+    return module in ("torch", "_operator", "builtins", "math") or module.startswith("torch.")
 
 
 def _is_batch_norm(node: fx.Node, module: nn.Module | None) -> bool:
