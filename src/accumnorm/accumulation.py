@@ -53,9 +53,11 @@ def backward(
             went through at once, and running statistics are updated once per call.
             "micro": each micro-batch uses its own statistics, as plain accumulation does.
         schedule: how exact mode runs. "layerwise": the micro-batches in lockstep, about the cost of
-            plain accumulation, keeping the whole batch's saved tensors in `store`. "passes": 2L + 1
-            passes for L BatchNorm calls, memory of one micro-batch. "auto": layerwise when it can
-            run, else passes (with a warning saying why).
+            plain accumulation, keeping the whole batch's saved tensors in `store`; a model that
+            torch.fx traces runs from its graph on this thread (see `accumnorm.trace_safe`; the
+            part of loss_fn before its model call then runs twice), any other in worker threads.
+            "passes": 2L + 1 passes for L BatchNorm calls, memory of one micro-batch. "auto":
+            layerwise when it can run, else passes (with a warning saying why).
         store: where the layerwise schedule keeps the whole batch's saved tensors: None (the model's
             device on CPU, pinned host memory on CUDA), "cpu", or a torch.device.
         process_group: with torch.distributed, `batch` is this rank's share of the global batch:
