@@ -177,9 +177,11 @@ def test_a_batchnorm_call_hidden_in_a_graph_node_restarts_the_step_in_threads():
         compare(model, ours, 1e-9)
 
 
-def grads_in_every_schedule(model: nn.Module, batch, loss_fn=ce_loss, micro: int = 3, seed: int = 5):
-    """The gradients of one step of `model` under each of EXACT_SCHEDULES from the same seed, each with the
-    threads its first layer ran on; the two layerwise ones checked equal to passes (same random numbers)."""
+def grads_in_every_schedule(model: nn.Module, batch, loss_fn=ce_loss, micro: int = 3, seed: int = 5,
+                            rtol: float = 1e-10, atol: float = 1e-12):
+    """One step of `model` under each of EXACT_SCHEDULES from the same seed: the layerwise ones' gradients are
+    checked equal to passes' (the same random numbers); returns the threads each layerwise one's first layer
+    ran on."""
     grads, threads = {}, {}
     for name in EXACT_SCHEDULES:
         ours = copy.deepcopy(model)
@@ -192,7 +194,7 @@ def grads_in_every_schedule(model: nn.Module, batch, loss_fn=ce_loss, micro: int
         grads[name] = [p.grad for p in ours.parameters()]
     for name in ("layerwise", "layerwise-threads"):
         for g, want in zip(grads[name], grads["passes"]):
-            torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(g, want, rtol=rtol, atol=atol)
     return threads
 
 
@@ -241,3 +243,20 @@ def test_micro_batches_calling_the_model_a_different_number_of_times_are_refused
     loss_fn = lambda m, b: ce_loss(m, b) + (m(b[0]).mean() if len(b[0]) == 2 else 0)  # noqa: E731
     with pytest.raises(ValueError, match="call the model as often"):
         accumnorm.backward(model, data((6,), 8), loss_fn, micro_batch_size=3, schedule="layerwise")
+
+
+def test_the_graph_runs_in_the_modes_loss_fn_calls_the_model_in():
+    """A teacher pass under no_grad and a student pass under autocast, both inside loss_fn: the graph runs
+    outside loss_fn, and must take each call's grad and autocast modes (no gradient through the teacher)."""
+    def distill(m, b):
+        with torch.no_grad():
+            teacher = m(b[0])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            student = m(b[0])
+        assert not teacher.requires_grad and student.dtype == torch.bfloat16
+        return ce_loss(m, b) + F.mse_loss(student.float(), teacher)
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10))
+    # bf16 rounding differs between schedules (1e-4); a gradient through the teacher would be O(1) off
+    threads = grads_in_every_schedule(model, data((6,), 8), distill, micro=2, rtol=1e-2, atol=1e-4)
+    assert threads["layerwise"] == CALLER and CALLER.isdisjoint(threads["layerwise-threads"])

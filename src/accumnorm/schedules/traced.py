@@ -5,7 +5,8 @@ each micro-batch up to its call of the model, where it stops; the K calls go thr
 node by node, every BatchNorm node once for all K (`Step.normalize_jointly`); then loss_fn runs again
 from the start, its call of the model answered with that micro-batch's output, to the loss. A loss_fn
 that calls the model n times runs n + 1 times per micro-batch, each time past one more answered call.
-Everything runs on the caller's thread, with its intra-op threads, grad mode, autocast and streams.
+Everything runs on the caller's thread, with its intra-op threads and streams; the graph runs in the grad,
+inference and autocast modes that loss_fn had at its model call.
 
 Each micro-batch keeps its own random-number state, and every rerun replays it: the part of loss_fn
 before a call draws the same numbers each time, the graph goes on from where that part left the
@@ -35,11 +36,28 @@ SavedTensorHooks = tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]
 
 
 class _Stop(BaseException):
-    """Ends a loss_fn run at a call of the model that has no answer yet. BaseException: loss_fn won't catch it."""
+    """Ends a loss_fn run at a call of the model that has no answer yet. BaseException: loss_fn won't catch it.
+
+    Keeps the grad, inference and autocast modes of the call: loss_fn may have set them around it (a teacher
+    pass under no_grad, the model under autocast), and the graph must run in them.
+    """
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__()
         self.args, self.kwargs = args, kwargs
+        self.modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                      tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
+
+    @contextlib.contextmanager
+    def modes_of_the_call(self) -> Iterator[None]:
+        grad, inference, autocast = self.modes
+        with contextlib.ExitStack() as stack:
+            if inference:  # NOTE: inference_mode(False) would turn grad mode back on
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(grad))
+            for device, enabled, dtype in autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            yield
 
 
 class _Captured(BaseException):
@@ -146,12 +164,16 @@ class _Traced:
 
     def _through_graph(self, stops: list[_Stop]) -> None:
         """The K stopped model calls through the model's graph together; their outputs become answers."""
+        if any(stop.modes != stops[0].modes for stop in stops):
+            raise _CannotTrace("the micro-batches call the model under different grad or autocast modes",
+                               of_model=False)
         graph, inputs = forward_graph(self.step.model, [(stop.args, stop.kwargs) for stop in stops])
         if not isinstance(graph, ForwardGraph):
             raise _CannotTrace(graph, of_model=False)  # the reason is cached with the graph already
         self.bn_state = "hidden"
         try:
-            outputs = graph.run(inputs, self._each, self._batch_norm_node, self._batch_norm_calls)
+            with stops[0].modes_of_the_call():
+                outputs = graph.run(inputs, self._each, self._batch_norm_node, self._batch_norm_calls)
         finally:
             self.bn_state = "outside"
         for k, out in enumerate(outputs):
