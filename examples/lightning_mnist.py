@@ -65,3 +65,5 @@ result = trainer.validate(  # once, at the end
     model, torch.utils.data.DataLoader(val, batch_size=500), verbose=False)[0]
 if trainer.is_global_zero:
     print(f"final val_acc {result['val_acc']:.4f} on {len(val)} digits after {trainer.global_step} steps")
+if torch.distributed.is_initialized():  # --strategy ddp: Lightning leaves the group up; end it before exit
+    torch.distributed.destroy_process_group()

@@ -38,6 +38,9 @@ def main(out: Path, clip: float) -> None:
     run.fit(model, loader)
     torch.save({"state": model.net.state_dict(), "steps": run.global_step, "batches": batches.seen},
                out / f"rank{run.global_rank}.pt")
+    # Lightning leaves the process group up: without this, gloo's threads may still run at interpreter exit and
+    # abort the process after its work is done
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
