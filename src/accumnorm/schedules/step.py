@@ -109,19 +109,19 @@ class RngStates:
         self.seeds, self.cuda_devices = seeds, cuda_devices
         self.states: list[list[Tensor] | None] = [None] * len(seeds)
 
-    def _generators(self) -> list[torch.Generator]:
+    def generators(self) -> list[torch.Generator]:
         return [torch.default_generator] + [torch.cuda.default_generators[d] for d in self.cuda_devices]
 
     def switch_in(self, k: int) -> None:
         state = self.states[k]
-        for i, g in enumerate(self._generators()):
+        for i, g in enumerate(self.generators()):
             if state is None:
                 g.manual_seed(self.seeds[k])
             else:
                 g.set_state(state[i])
 
     def switch_out(self, k: int) -> None:
-        self.states[k] = [g.get_state() for g in self._generators()]
+        self.states[k] = [g.get_state() for g in self.generators()]
 
 
 def plain(step: Step) -> None:

@@ -152,7 +152,7 @@ class _Traced:
             i, self.calls_made = self.calls_made, self.calls_made + 1
             if i == len(self.answers[self.k]):
                 raise _Stop(args, kwargs)
-            for g, state in zip(self.rng._generators(), self.resume[self.k][i]):
+            for g, state in zip(self.rng.generators(), self.resume[self.k][i]):
                 g.set_state(state)  # the rest of loss_fn draws after what the graph drew
             return self.answers[self.k][i]
 
