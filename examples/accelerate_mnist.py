@@ -74,4 +74,5 @@ with torch.no_grad():
         hits = accelerator.gather_for_metrics(model(x).argmax(1) == y)
         correct, total = correct + hits.sum().item(), total + len(hits)
 accelerator.print(f"final val_acc {correct / total:.4f} on {total} digits after {args.steps} steps")
+accelerator.wait_for_everyone()  # every rank at teardown together: gloo may abort a rank whose peers have gone
 accelerator.end_training()  # destroys the process group of a multi-process run before the interpreter exits

@@ -96,4 +96,5 @@ final = trainer.fit(loader, steps=args.steps, eval_fn=evaluate, eval_every=args.
 if env.rank == 0:
     print(f"step {trainer.step_count}: " + ", ".join(f"{k} {v:.4g}" for k, v in final.items()))
 if dist.is_initialized():
+    dist.barrier()  # every rank at teardown together: gloo may abort a rank whose peers have already gone
     dist.destroy_process_group()

@@ -66,4 +66,5 @@ result = trainer.validate(  # once, at the end
 if trainer.is_global_zero:
     print(f"final val_acc {result['val_acc']:.4f} on {len(val)} digits after {trainer.global_step} steps")
 if torch.distributed.is_initialized():  # --strategy ddp: Lightning leaves the group up; end it before exit
+    torch.distributed.barrier()  # every rank at teardown together: gloo may abort a rank whose peers have gone
     torch.distributed.destroy_process_group()

@@ -37,6 +37,7 @@ def main(out: Path, clip: float) -> None:
     accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, clip)
     torch.save({"state": net.state_dict(), "batches": batches}, out / f"rank{accelerator.process_index}.pt")
     # without it, gloo's threads may still be running when the interpreter exits: the process aborts after its work
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

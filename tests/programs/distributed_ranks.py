@@ -56,6 +56,7 @@ def main(scenario: str, out: Path) -> None:
         for b in ranks_batches([16] * 5):
             trainer.step(distributed.shard(b))
         (out / f"finished-{env.rank}").touch()
+    torch.distributed.barrier()  # every rank at teardown together: gloo may abort a rank whose peers have gone
     torch.distributed.destroy_process_group()
 
 

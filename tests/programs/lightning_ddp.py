@@ -40,6 +40,7 @@ def main(out: Path, clip: float) -> None:
                out / f"rank{run.global_rank}.pt")
     # Lightning leaves the process group up: without this, gloo's threads may still run at interpreter exit and
     # abort the process after its work is done
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
