@@ -23,7 +23,7 @@ from .distributed import Collectives, unwrap_ddp
 from .intercept import batch_norm_modules, sync_batch_norm_as_local, update_running_stats
 from .schedules import LossFn, Step, cannot_run_reason, layerwise, passes, plain, resolve_store
 
-__all__ = ["backward"]
+__all__ = ["backward", "check_args"]
 
 Batch = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 BN_MODES = ("exact", "micro")
@@ -74,7 +74,7 @@ def backward(
         optimizer.step()
     """
     model, process_group = unwrap_ddp(model, process_group)
-    _check_args(model, loss_fn, micro_batch_size, bn, schedule)
+    check_args(model, loss_fn, micro_batch_size, bn, schedule)
     store_device = resolve_store(store)
     micro_batches, sizes = _split(batch, micro_batch_size)
     collectives = Collectives(process_group)
@@ -123,7 +123,8 @@ def backward(
     return loss
 
 
-def _check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedule: Any) -> None:
+def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedule: Any) -> None:
+    """The arguments `backward` and the integrations share, checked before anything runs (TypeError/ValueError)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(loss_fn):

@@ -6,7 +6,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from ..accumulation import LossFn, _check_args
+from ..accumulation import LossFn, check_args
 from ..schedules import resolve_store
 
 __all__ = ["backward_options", "check_optimizer"]
@@ -16,7 +16,7 @@ def backward_options(model: nn.Module, loss_fn: LossFn, *, micro_batch_size: Any
                      store: Any) -> dict[str, Any]:
     """The keyword arguments every step passes to `accumnorm.backward`, checked as it checks them but once, at
     set-up: a wrong one fails before the framework starts instead of at the first step."""
-    _check_args(model, loss_fn, micro_batch_size, bn, schedule)
+    check_args(model, loss_fn, micro_batch_size, bn, schedule)
     resolve_store(store)
     return dict(micro_batch_size=micro_batch_size, bn=bn, schedule=schedule, store=store)
 
