@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch.nn.modules import module as module_globals
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .step import GradModes
+
 __all__ = ["ForwardGraph", "forward_graph", "give_up_graph", "trace_safe"]
 
 _CONSTANTS = (type(None), bool, int, float, str)
@@ -69,13 +71,13 @@ def trace_safe(cls: type[nn.Module]) -> type[nn.Module]:
 class _Tracer(fx.Tracer):
     """torch.fx's tracer with every BatchNorm module (torch's, subclasses, accumnorm's) a leaf, refusing what a
     graph of tensor operations would silently drop: a custom autograd.Function's backward (fx inlines its
-    forward), and a switch of grad or autocast mode inside the forward (fx records no modes)."""
+    forward), and a switch of grad, inference or autocast mode inside the forward (fx records no modes)."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return isinstance(m, _BatchNorm) or super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
-        self.modes = _modes()
+        self.modes = GradModes.current()
         own_apply = vars(torch.autograd.Function)["apply"]
 
         def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -90,13 +92,10 @@ class _Tracer(fx.Tracer):
             torch.autograd.Function.apply = own_apply
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
-        if _modes() != self.modes:
-            raise fx.proxy.TraceError("the forward switches grad or autocast mode, which a graph does not record")
+        if GradModes.current() != self.modes:
+            raise fx.proxy.TraceError("the forward switches grad, inference or autocast mode, which a graph does not "
+                                      "record")
         return super().create_node(*args, **kwargs)
-
-
-def _modes() -> tuple[bool, ...]:
-    return torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
 
 
 class ForwardGraph:

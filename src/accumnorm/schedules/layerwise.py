@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from ..intercept import BatchNormCalls, BNCall
-from .step import RngStates, Step
+from .step import GradModes, RngStates, Step
 from .traced import run_traced
 
 __all__ = ["layerwise", "cannot_run_reason", "resolve_store"]
@@ -101,8 +101,7 @@ class _CallerState:
     """The thread-local state of the caller that each worker thread takes on (as DataParallel's workers do)."""
 
     def __init__(self, store: _Store | None) -> None:
-        self.grad = torch.is_grad_enabled()
-        self.autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        self.modes = GradModes.current()
         self.cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self.stream = torch.cuda.current_stream() if self.cuda_device is not None else None
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -111,9 +110,7 @@ class _CallerState:
     @contextlib.contextmanager
     def enter(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.set_grad_enabled(self.grad))
-            for device_type, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            stack.enter_context(self.modes.enter())
             if self.cuda_device is not None:
                 stack.enter_context(torch.cuda.device(self.cuda_device))
                 stack.enter_context(torch.cuda.stream(self.stream))

@@ -3,7 +3,8 @@ their random numbers, and plain accumulation (the schedule of `bn="micro"`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from ..distributed import Collectives
 from ..functional import moments, normalize_joint, stack_moments
 from ..intercept import BNCall
 
-__all__ = ["Step", "LossFn", "RngStates", "plain", "replay_rng"]
+__all__ = ["Step", "LossFn", "GradModes", "RngStates", "plain", "replay_rng"]
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -99,6 +100,31 @@ def replay_rng(seed: int | None, cuda_devices: list[int]) -> Iterator[None]:
         for d in cuda_devices:
             torch.cuda.default_generators[d].manual_seed(seed)
         yield
+
+
+@dataclass(frozen=True)
+class GradModes:
+    """This thread's grad, inference and autocast modes: taken where a forward is called, entered where it runs
+    (a worker thread, or the model's graph run outside loss_fn), compared where a change would go unrecorded."""
+
+    grad: bool
+    inference: bool
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]  # (device type, enabled, dtype)
+
+    @classmethod
+    def current(cls) -> GradModes:
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                   tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
+
+    @contextmanager
+    def enter(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            if self.inference:  # NOTE: inference_mode(False) would turn grad mode back on
+                stack.enter_context(torch.inference_mode())
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for device, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            yield
 
 
 class RngStates:

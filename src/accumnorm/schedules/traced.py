@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..intercept import BatchNormCalls, BNCall
 from .graph import ForwardGraph, forward_graph, give_up_graph
-from .step import RngStates, Step
+from .step import GradModes, RngStates, Step
 
 __all__ = ["run_traced"]
 
@@ -44,20 +44,7 @@ class _Stop(BaseException):
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
         super().__init__()
-        self.args, self.kwargs = args, kwargs
-        self.modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                      tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")))
-
-    @contextlib.contextmanager
-    def modes_of_the_call(self) -> Iterator[None]:
-        grad, inference, autocast = self.modes
-        with contextlib.ExitStack() as stack:
-            if inference:  # NOTE: inference_mode(False) would turn grad mode back on
-                stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(grad))
-            for device, enabled, dtype in autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-            yield
+        self.args, self.kwargs, self.modes = args, kwargs, GradModes.current()
 
 
 class _Captured(BaseException):
@@ -172,7 +159,7 @@ class _Traced:
             raise _CannotTrace(graph, of_model=False)  # the reason is cached with the graph already
         self.bn_state = "hidden"
         try:
-            with stops[0].modes_of_the_call():
+            with stops[0].modes.enter():
                 outputs = graph.run(inputs, self._each, self._batch_norm_node, self._batch_norm_calls)
         finally:
             self.bn_state = "outside"
