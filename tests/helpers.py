@@ -168,6 +168,11 @@ def ended_well(returncode: int, log: str) -> bool:
     return returncode == -signal.SIGABRT and log.rstrip().endswith(GLOO_EXIT_ABORT)
 
 
+def assert_ranks_ended_well(results: Sequence[tuple[int, str]]) -> None:
+    """Every rank of `launch_ranks` ended well (see `ended_well`); else the tails of their logs."""
+    assert all(ended_well(rc, log) for rc, log in results), "\n".join(f"rc {rc}: {log[-3000:]}" for rc, log in results)
+
+
 def launch_ranks(argv: Sequence[str], logs: Path, *, world_size: int = 2, wait_s: float = 90,
                  wait_for: Sequence[int] | None = None, **env: str) -> list[tuple[int, str]]:
     """Start `world_size` processes `python *argv` with torchrun's environment (RANK, LOCAL_RANK, NODE_RANK,

@@ -18,10 +18,10 @@ import accumnorm
 from accumnorm.integrations.accelerate import ExactAccumulator
 from helpers import (
     accelerate_steps,
+    assert_ranks_ended_well,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
     ce_loss,
-    ended_well,
     launch_ranks,
     sgd_halving,
     train_whole_batch,
@@ -148,7 +148,7 @@ def test_two_cpu_processes_equal_one_process_with_the_global_batch(tmp_path):
     torch's BatchNorm unconverted: the DDP wrapper that prepare makes must not reduce a second time nor wait for its
     own backward."""
     results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=240)
-    assert all(ended_well(rc, log) for rc, log in results), "\n".join(log[-3000:] for _, log in results)
+    assert_ranks_ended_well(results)
     assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)
     for rank in range(2):  # the model must be the DDP wrapper that prepare made
         refused = (tmp_path / f"unwrapped-{rank}.txt").read_text()

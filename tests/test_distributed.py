@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import GLOO_EXIT_ABORT, ce_loss, cpu_env, ended_well, launch_ranks, rel_err
+from helpers import GLOO_EXIT_ABORT, assert_ranks_ended_well, ce_loss, cpu_env, launch_ranks, rel_err
 from models import ranks_batches, ranks_net, ranks_sgd
 from programs.distributed_ranks import SCENARIOS
 
@@ -30,7 +30,7 @@ def launch(scenario: str, out: Path, pg_timeout_s: float = 30, wait_s: float = 9
 def exact_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("exact")
     results = launch("exact", out)
-    assert all(ended_well(rc, log) for rc, log in results), results
+    assert_ranks_ended_well(results)
     return out
 
 

@@ -16,9 +16,9 @@ from lightning.pytorch.plugins import MixedPrecision
 import accumnorm
 from accumnorm.integrations.lightning import ExactAccumulation
 from helpers import (
+    assert_ranks_ended_well,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
-    ended_well,
     launch_ranks,
     train_whole_batch,
 )
@@ -146,5 +146,5 @@ def test_two_gloo_ranks_under_ddp_equal_one_process_with_the_global_batch(tmp_pa
     BatchNorm unconverted and the passes schedule: DDP's own gradient reduction must not add to accumnorm's (a
     second average halves the gradient) nor wait for a backward that never comes (a hang, bounded here by timeouts)."""
     results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=240)
-    assert all(ended_well(rc, log) for rc, log in results), "\n".join(log[-3000:] for _, log in results)
+    assert_ranks_ended_well(results)
     assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)
