@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import EXACT_SCHEDULES, schedule_named
+from helpers import EXACT_SCHEDULES
 
 
 @pytest.fixture(autouse=True)
@@ -12,5 +12,4 @@ def _seed():
 
 @pytest.fixture(params=EXACT_SCHEDULES)
 def schedule(request):
-    with schedule_named(request.param) as name:
-        yield name
+    return request.param

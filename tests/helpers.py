@@ -10,8 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -21,24 +20,7 @@ import torch.nn.functional as F
 
 import accumnorm
 
-# "layerwise-threads": the layerwise schedule with the model's forward run as Python in its worker threads, as it
-# runs for a model torch.fx cannot trace; "layerwise" takes the fx graph where the model traces.
-EXACT_SCHEDULES = ("layerwise", "layerwise-threads", "passes")
-
-
-@contextmanager
-def schedule_named(name: str) -> Iterator[str]:
-    """accumnorm.backward's `schedule=` for a name of EXACT_SCHEDULES, valid inside the block."""
-    if name != "layerwise-threads":
-        yield name
-        return
-    layerwise = sys.modules["accumnorm.schedules.layerwise"]
-    own = layerwise.run_traced
-    layerwise.run_traced = lambda step, store: False  # as for a model with no graph
-    try:
-        yield "layerwise"
-    finally:
-        layerwise.run_traced = own
+EXACT_SCHEDULES = ("layerwise", "passes")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:

@@ -1,6 +1,5 @@
 """Small models for the oracle tests, built with torch's norms: the oracle runs them as they are, accumnorm
-runs a copy (converted or not). Their classes are `accumnorm.trace_safe`, so that schedule="layerwise" runs
-them from their torch.fx graph (tests/helpers.EXACT_SCHEDULES also runs them without)."""
+runs a copy (converted or not)."""
 from __future__ import annotations
 
 import functools
@@ -29,7 +28,6 @@ def vgg(act: Act = nn.ReLU, widths=(8, 16, 16, 32), norm=nn.BatchNorm2d) -> nn.M
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c0, 10))
 
 
-@accumnorm.trace_safe
 class Block(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, act: Act) -> None:
         super().__init__()
@@ -63,7 +61,6 @@ def mlp(act: Act = nn.Tanh) -> nn.Module:
     )
 
 
-@accumnorm.trace_safe
 class SeqNet(nn.Module):
     """BatchNorm1d on 3D inputs (N, C, L): a small 1D conv net over sequences."""
 
@@ -90,7 +87,6 @@ def conv3d(act: Act = nn.Tanh) -> nn.Module:
 
 def mixed(act: Act = nn.Tanh) -> nn.Module:
     """BatchNorm mixed with GroupNorm, InstanceNorm, LayerNorm (channels first) and no norm."""
-    import accumnorm
 
     return nn.Sequential(
         nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), act(),
@@ -108,7 +104,6 @@ def no_bn() -> nn.Module:
     return vgg(nn.Tanh, norm=lambda c: nn.GroupNorm(4, c))
 
 
-@accumnorm.trace_safe
 class Shared(nn.Module):
     """One BatchNorm layer called twice in a forward, on different tensors (running stats updated twice)."""
 
@@ -124,7 +119,6 @@ class Shared(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-@accumnorm.trace_safe
 class FunctionalBN(nn.Module):
     """BatchNorm through direct `F.batch_norm(..., training=True)` calls on the module's own tensors.
 

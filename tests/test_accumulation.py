@@ -20,7 +20,6 @@ from helpers import (
     compare,
     oracle_and_ours,
     rel_err,
-    schedule_named,
     snapshot,
     whole_batch,
 )
@@ -126,8 +125,7 @@ def test_eval_mode_is_a_single_pass_with_running_stats():
     expected = whole_batch(ref, batch)
     calls = []
     loss_fn = lambda m, b: calls.append(1) or ce_loss(m, b)  # noqa: E731
-    with schedule_named("layerwise-threads") as schedule:
-        loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2)
     assert len(calls) == 3  # one forward per micro-batch: eval BatchNorm couples no samples
     compare(ref, ours, 1e-10)
     assert rel_err(loss, expected) < 1e-12

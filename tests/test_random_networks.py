@@ -26,14 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import accumnorm
-from helpers import EXACT_SCHEDULES, compare, compare_within_rounding, rel_err, schedule_named, whole_batch
+from helpers import EXACT_SCHEDULES, compare, compare_within_rounding, rel_err, whole_batch
 
 C, S, C_IN, MAX_N = 4, 3, 2, 8
 ACTS = {"tanh": nn.Tanh, "silu": nn.SiLU, "gelu": nn.GELU, "softplus": nn.Softplus}
 BN_KINDS = {"3d": nn.BatchNorm3d, "2d": nn.BatchNorm2d, "1d": nn.BatchNorm1d, "pooled": nn.BatchNorm1d}
 
 
-@accumnorm.trace_safe
 class IdDropout(nn.Module):
     """Dropout with a mask that is a fixed function of the sample's id: the same in any micro-batch split."""
 
@@ -47,7 +46,6 @@ class IdDropout(nn.Module):
         return h * self.scale[ids] if self.training else h
 
 
-@accumnorm.trace_safe
 class Norm(nn.Module):
     """A norm layer applied to a view of the activations (BatchNorm2d over (N, C, S, S*S), BatchNorm1d over
     (N, C, S**3) or over the spatial mean (N, C), added back), or as is (BatchNorm3d, the per-sample norms)."""
@@ -89,7 +87,6 @@ class _Contiguous(torch.autograd.Function):
         return grad.clone(memory_format=torch.contiguous_format)
 
 
-@accumnorm.trace_safe
 class Plain(nn.Module):
     """A module of the network that ignores the ids."""
 
@@ -101,7 +98,6 @@ class Plain(nn.Module):
         return self.module(h)
 
 
-@accumnorm.trace_safe
 class Seq(nn.Module):
     def __init__(self, ops: list[nn.Module]) -> None:
         super().__init__()
@@ -113,7 +109,6 @@ class Seq(nn.Module):
         return h
 
 
-@accumnorm.trace_safe
 class Residual(nn.Module):
     def __init__(self, body: Seq) -> None:
         super().__init__()
@@ -123,7 +118,6 @@ class Residual(nn.Module):
         return h + self.body(h, ids)
 
 
-@accumnorm.trace_safe
 class Concat(nn.Module):
     """Two branches concatenated along the channels, mixed back to C channels by a 1x1x1 conv."""
 
@@ -135,7 +129,6 @@ class Concat(nn.Module):
         return self.mix(torch.cat([self.left(h, ids), self.right(h, ids)], 1))
 
 
-@accumnorm.trace_safe
 class Net(nn.Module):
     def __init__(self, body: Seq, bn_on_input: bool) -> None:
         super().__init__()
@@ -259,12 +252,10 @@ def test_random_networks_match_whole_batch_in_every_schedule(spec):
     for name in EXACT_SCHEDULES:
         m = copy.deepcopy(model)
         torch.manual_seed(spec["seed"])
-        with schedule_named(name) as schedule:
-            results[name] = m, accumnorm.backward(m, batch, loss_fn, micro_batch_size=spec["micro"],
-                                                  schedule=schedule)
+        results[name] = m, accumnorm.backward(m, batch, loss_fn, micro_batch_size=spec["micro"], schedule=name)
     b, loss_b = results["passes"]
     noise = compare(ref, twin, float("inf"))
-    for name in ("layerwise", "layerwise-threads"):
+    for name in ("layerwise",):
         a, loss_a = results[name]
         errs = compare(a, b, float("inf"))
         worst = max(errs, key=lambda k: errs[k] / max(1e-9, slack * noise[k]))
@@ -274,7 +265,6 @@ def test_random_networks_match_whole_batch_in_every_schedule(spec):
     # (b) torch's dropout in eval mode, IdDropout masking: every schedule matches whole-batch torch.
     for name in EXACT_SCHEDULES:
         ours = copy.deepcopy(in_eval)
-        with schedule_named(name) as schedule:
-            loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=spec["micro"], schedule=schedule)
+        loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=spec["micro"], schedule=name)
         compare_within_rounding(ref, twin, ours, 1e-9, slack)
         assert rel_err(loss, expected) < 1e-10, name

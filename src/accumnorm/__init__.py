@@ -6,7 +6,7 @@
     optimizer.step()
 """
 from . import distributed
-from .accumulation import backward
+from ._engine.backward import backward
 from .layers import (
     NORM_NAMES,
     BatchNorm,
@@ -27,13 +27,12 @@ from .layers import (
     norm_layer,
     revert,
 )
-from .schedules import trace_safe
 from .trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "backward", "trace_safe", "Trainer", "distributed",
+    "backward", "Trainer", "distributed",
     "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
     "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm",
     "BatchRenorm2d", "StaleBatchNorm2d", "FilterResponseNorm2d", "EvoNorm2dS0",

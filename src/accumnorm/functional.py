@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Moments", "moments", "combine_moments", "stack_moments", "GradSums", "normalize", "normalize_joint"]
+__all__ = ["Moments", "moments", "combine_moments", "stack_moments", "update_running_stats_", "GradSums", "normalize",
+           "normalize_joint", "normalize_with"]
 
 
 def _channel_shape(x: Tensor) -> list[int]:
@@ -93,6 +94,18 @@ def stack_moments(parts: list[Moments]) -> Moments:
                                    torch.stack([p.m2 for p in parts])))
 
 
+def update_running_stats_(running_mean: Tensor, running_var: Tensor | None, mean: Tensor, unbiased_var: Tensor,
+                          factor: float) -> None:
+    """torch's running-statistics update, in place: `running = (1 - factor) * running + factor * batch`.
+
+    `factor` is BatchNorm's momentum, or 1 / (batches so far) for a cumulative average (momentum=None).
+    """
+    with torch.no_grad():
+        running_mean.lerp_(mean.to(running_mean.dtype), factor)
+        if running_var is not None:
+            running_var.lerp_(unbiased_var.to(running_var.dtype), factor)
+
+
 class GradSums:
     """The whole-batch backward terms of one BatchNorm call: sum(dy) and sum(dy * x_hat) per channel.
 
@@ -117,6 +130,20 @@ class GradSums:
         return -(self.sum_dy.view(shape) + x_hat * self.sum_dy_xhat.view(shape)) * (scale / self.count).view(shape)
 
 
+def normalize_with(x: Tensor, mean: Tensor, var: Tensor, weight: Tensor | None, bias: Tensor | None,
+                   eps: float) -> Tensor:
+    """BatchNorm of x with the given statistics (eval-mode batch_norm), weight and bias in the statistics' dtype.
+
+    torch's kernels take a bfloat16/float16 input with float32 parameters, not half-precision parameters with
+    float32 statistics: a half-precision model (no autocast) normalizes as torch's BatchNorm would, in float32.
+    """
+    if weight is not None and weight.dtype != mean.dtype:
+        weight = weight.to(mean.dtype)
+    if bias is not None and bias.dtype != mean.dtype:
+        bias = bias.to(mean.dtype)
+    return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+
+
 class _Normalize(torch.autograd.Function):
     """y = (x - mean) * invstd * weight + bias with mean/invstd fixed; backward per `GradSums`."""
 
@@ -124,7 +151,7 @@ class _Normalize(torch.autograd.Function):
     def forward(ctx, x, weight, bias, mean, var, eps, sums):  # type: ignore[override]
         ctx.save_for_backward(x, weight, mean, var)
         ctx.eps, ctx.sums = eps, sums
-        return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        return normalize_with(x, mean, var, weight, bias, eps)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -169,7 +196,7 @@ class _NormalizeJoint(torch.autograd.Function):
     def forward(ctx, weight, bias, mean, var, eps, count, reduce_sums, *xs):  # type: ignore[override]
         ctx.save_for_backward(weight, mean, var, *xs)
         ctx.eps, ctx.count, ctx.reduce_sums = eps, count, reduce_sums
-        return tuple(F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps) for x in xs)
+        return tuple(normalize_with(x, mean, var, weight, bias, eps) for x in xs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -180,7 +207,7 @@ class _NormalizeJoint(torch.autograd.Function):
             # torch's eval-mode BatchNorm backward gives exactly these sums as its weight and bias
             # gradients (in the statistics' dtype), in one native call.
             _, dw, db = torch.ops.aten.native_batch_norm_backward(
-                dy, x, weight, mean, var, None, None, False, ctx.eps, [False, True, True])
+                dy, x, None, mean, var, None, None, False, ctx.eps, [False, True, True])
             sum_dy_xhat += dw
             sum_dy += db
         # The parameter gradients are this rank's share (the step all-reduces gradients once); the

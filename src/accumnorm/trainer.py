@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import distributed
-from .accumulation import backward
+from ._engine.backward import backward
 from .distributed import unwrap_ddp
 
 try:

@@ -6,8 +6,9 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from ..accumulation import LossFn, check_args
-from ..schedules import resolve_store
+from .._engine.args import check_args
+from .._engine.step import LossFn
+from .._engine.store import resolve_store
 
 __all__ = ["backward_options", "check_optimizer"]
 

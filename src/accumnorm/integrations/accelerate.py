@@ -31,7 +31,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ..accumulation import Batch, LossFn, backward
+from .._engine.args import Batch
+from .._engine.backward import backward
+from .._engine.step import LossFn
 from ..distributed import map_batch
 from ._checks import backward_options, check_optimizer
 

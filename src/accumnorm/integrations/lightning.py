@@ -41,7 +41,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
-from ..accumulation import backward
+from .._engine.backward import backward
 from ._checks import backward_options, check_optimizer
 
 try:

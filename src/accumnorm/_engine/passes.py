@@ -15,21 +15,18 @@ sum(dy * x_hat), on every BN call above it. With L BN calls and nothing kept bet
      of the micro-batch's own input. Each pass runs the forward up to call j and back-propagates that
      term from there (gradients are linear, so adding it later is exact), adding to the sums below.
 
-That is 2L + 1 passes (plus one forward of the first micro-batch, which finds where the BN calls
-end), the fewest a micro-batch-at-a-time schedule allows. A sums pass costs the part of the network
-above its call, a correction pass the part below, so the split `t` puts the bottom half under
-corrections. The cost grows linearly with the number of BN calls; memory stays that of one
-micro-batch. The layerwise schedule (`accumnorm.schedules.layerwise`) costs about one plain pass
-instead, by keeping the whole batch's saved tensors; this one is for when that cannot run.
+That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows. A sums pass costs the
+part of the network above its call, a correction pass the part below, so the split `t` puts the
+bottom half under corrections. Cost grows linearly with the number of BN calls; memory stays that
+of one micro-batch. Every pass over a micro-batch replays its random numbers from the start.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ..functional import GradSums, Moments, moments, normalize, stack_moments
-from ..intercept import BatchNormCalls, BNCall
+from ..functional import GradSums, Moments, moments, normalize, normalize_with
+from .calls import BNCall, INCall
 from .step import Step
 
 __all__ = ["passes"]
@@ -43,7 +40,7 @@ class _Call:
     """One BatchNorm call of the forward: its whole-batch statistics and backward sums."""
 
     def __init__(self, first: BNCall) -> None:
-        self.first = first  # micro-batch 0's view of the call: its tensors identify the call in later passes
+        self.first = first  # micro-batch 0's piece of the call, as the statistics pass met it
         self.parts: list[Moments] = []  # per-micro-batch moments during its statistics pass
         self.sums: GradSums | None = None
         self.input: Tensor | None = None  # the BN input of the current micro-batch, for sums/correction passes
@@ -53,71 +50,78 @@ class _Call:
         return self.first.stats
 
 
-class _Plan:
-    """What each BN call does in the current pass: the handler of `BatchNormCalls`."""
-
+class _Passes:
     STATS, SUMS, FULL, CORRECT = "stats", "sums", "full", "correct"
 
-    def __init__(self) -> None:
+    def __init__(self, step: Step) -> None:
+        self.step = step
         self.calls: list[_Call] = []
-        self.mode = self.STATS
-        self.target = 0
-        self.index = 0  # BN calls seen so far in the current micro-batch's forward
+        self.mode, self.target = self.STATS, 0
+        self.k = 0  # the micro-batch being run
+        self.index = 0  # BN calls seen so far in its current forward
+        self.instance_norms = 0  # InstanceNorm calls seen so far in its current forward
 
-    def begin(self, mode: str, target: int) -> None:
-        self.mode, self.target = mode, target
+    def run(self) -> None:
+        with self.step.norm_calls(self._batch_norm, self._instance_norm):
+            self._statistics()
+            t = len(self.calls) // 2  # the bottom half gets correction passes
+            for j in reversed(range(t, len(self.calls))):
+                self._sums_pass(j)
+            self._full_pass(t)
+            for j in reversed(range(t)):
+                self._finish_sums(self.calls[j])
+                self._correction_pass(j)
 
-    def __call__(self, bn: BNCall) -> Tensor:
+    # ---------------------------------------------------------------- what each BatchNorm call does
+    def _batch_norm(self, bn: BNCall) -> Tensor:
         i, self.index = self.index, self.index + 1
         if i == len(self.calls) and self.mode == self.STATS and i == self.target:
-            self.calls.append(_Call(bn))  # first time the forward gets this deep: a new call
-        if i >= len(self.calls) or not self.calls[i].first.same_layer(bn):
-            raise ValueError(
-                "bn='exact' needs the same sequence of BatchNorm calls in every forward of the step; "
-                f"call {i} ({bn.describe()}) differs from the first micro-batch's"
-            )
-        call, target, x = self.calls[i], self.target, bn.input
-        w, b, eps = bn.weight, bn.bias, bn.eps
-        if self.mode == self.STATS or (self.mode == self.SUMS and i < target):
-            if i == target:
+            self.calls.append(_Call(bn))  # the first time a forward gets this deep: a new call
+        if i >= len(self.calls):
+            raise ValueError(f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, "
+                             f"but micro-batch {self.k} made BatchNorm call {i} ({self.step.describe(bn)}) where "
+                             f"micro-batch 0 made {len(self.calls)}")
+        call = self.calls[i]
+        # Passes switch grad mode themselves: only autocast must agree.
+        self.step.check_same([call.first, bn], i, micro_batches=(0, self.k), grad_mode=False)
+        x, w, b, eps = bn.input, bn.weight, bn.bias, bn.eps
+        if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
+            if i == self.target:
                 call.parts.append(moments(x))
                 raise _Stop
-            return F.batch_norm(x, call.stats.mean, call.stats.var, w, b, False, 0.0, eps)
-        if self.mode == self.SUMS and i == target:
+            return normalize_with(x, call.stats.mean, call.stats.var, w, b, eps)
+        if self.mode == self.SUMS and i == self.target:
             # Back-propagation stops at this detached input: the pass only wants this call's sums.
             call.input = x.detach().requires_grad_()
             torch.set_grad_enabled(True)  # the forward below ran without grad; from here up it is needed
             return normalize(call.input, call.stats.mean, call.stats.var, w, b, eps, call.sums)
-        if self.mode == self.CORRECT and i == target:
+        if self.mode == self.CORRECT and i == self.target:
             call.input = x
             raise _Stop
-        return normalize(x, call.stats.mean, call.stats.var, w, b, eps, call.sums)
 
+        def output(x: Tensor) -> Tensor:
+            return normalize(x, call.stats.mean, call.stats.var, w, b, eps, call.sums)
 
-class _Passes:
-    def __init__(self, step: Step) -> None:
-        self.step, self.plan = step, _Plan()
+        # Computed in the region's place: a recomputation saves the same tensors again.
+        self.step.regions.enter_forward_call(output)
+        return output(x)
 
-    def run(self) -> None:
-        step, plan = self.step, self.plan
-        step.draw_seeds()
-        with BatchNormCalls(plan, step.owners):
-            self._statistics()
-            calls, t = plan.calls, len(plan.calls) // 2  # the bottom half gets correction passes
-            for j in reversed(range(t, len(calls))):
-                self._sums_pass(j)
-            self._full_pass(t)
-            for j in reversed(range(t)):
-                self._finish_sums(calls[j])
-                self._correction_pass(j)
-        step.calls = [c.first for c in plan.calls]
+    def _instance_norm(self, call: INCall) -> Tensor:
+        if self.mode == self.FULL:  # each micro-batch's one complete forward
+            self.step.instance_norm(call, self.instance_norms)
+            self.instance_norms += 1
+        return call.output()
 
+    # ---------------------------------------------------------------- the passes
     def _each(self):
-        """Each micro-batch index, with its random numbers replayed and the plan's call counter reset."""
+        """Each micro-batch index, with its random numbers from the start and the call counters reset."""
         for k in range(len(self.step.micro_batches)):
-            self.plan.index = 0
-            with self.step.rng(k):
+            self.k, self.index, self.instance_norms = k, 0, 0
+            self.step.rng.begin(k, restart=True)
+            try:
                 yield k
+            finally:
+                self.step.rng.end(k)
 
     def _forward(self, k: int) -> Tensor | None:
         """loss_fn on micro-batch k; None if a truncated pass stopped it at its target call."""
@@ -125,26 +129,24 @@ class _Passes:
             loss = self.step.loss(k)
         except _Stop:
             return None
-        if self.plan.index != len(self.plan.calls):
+        if self.index != len(self.calls):
             raise ValueError(
-                f"micro-batch {k} made {self.plan.index} BatchNorm calls where micro-batch 0 made "
-                f"{len(self.plan.calls)}: bn='exact' needs the same sequence of BatchNorm calls in every forward"
-            )
+                f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but "
+                f"micro-batch {k} made {self.index} BatchNorm calls where micro-batch 0 made {len(self.calls)}")
         return loss
 
     def _statistics(self) -> None:
         """Passes 1..L: whole-batch statistics, one BN call deeper per pass, until a forward completes."""
-        plan = self.plan
         while True:
-            j = len(plan.calls)
-            plan.begin(plan.STATS, j)
+            j = len(self.calls)
+            self.mode, self.target = self.STATS, j
             with torch.no_grad():
                 for k in self._each():
                     if self._forward(k) is not None:  # micro-batch 0 never reached call j: there are j
                         return
-            call = plan.calls[j]
-            # Two or more micro-batches (or ranks) hold at least 2 values per channel: no count check needed.
-            call.first.stats = self.step.collectives.merge_moments(stack_moments(call.parts))
+            call = self.calls[j]
+            call.first.stats = self.step.joint_moments(call.parts)
+            self.step.record(call.first, call.first.stats)
             call.parts = []
             call.sums = GradSums(call.stats.mean.shape[0], call.stats.count)
 
@@ -156,26 +158,26 @@ class _Passes:
         sums.collect = False
 
     def _sums_pass(self, j: int) -> None:
-        self.plan.begin(self.plan.SUMS, j)
-        call = self.plan.calls[j]
+        self.mode, self.target = self.SUMS, j
+        call = self.calls[j]
         for k in self._each():
             with torch.no_grad():  # the BN call switches grad on: nothing below it needs a graph
                 loss = self._forward(k)
             # Only the sums (collected by the call's backward) matter, not the gradient itself.
-            torch.autograd.grad(self.step.weighted(loss, k), call.input, allow_unused=True)
+            torch.autograd.backward(self.step.weighted(loss, k), inputs=[call.input])
         call.input = None
         self._finish_sums(call)
 
     def _full_pass(self, t: int) -> None:
-        self.plan.begin(self.plan.FULL, t)
+        self.mode, self.target = self.FULL, t
         for k in self._each():
             loss = self._forward(k)
             self.step.losses[k] = loss.detach()
-            self.step.weighted(loss, k).backward()
+            torch.autograd.backward(self.step.weighted(loss, k))
 
     def _correction_pass(self, j: int) -> None:
-        self.plan.begin(self.plan.CORRECT, j)
-        call = self.plan.calls[j]
+        self.mode, self.target = self.CORRECT, j
+        call = self.calls[j]
         first = call.first
         for k in self._each():
             self._forward(k)
@@ -190,5 +192,5 @@ class _Passes:
 
 
 def passes(step: Step) -> None:
-    """Exact BatchNorm by the 2L + 1 passes of the module doc; fills `step.losses` and `step.calls`."""
+    """Exact BatchNorm by the 2L + 1 passes of the module doc; fills `step.losses` and the step's calls."""
     _Passes(step).run()

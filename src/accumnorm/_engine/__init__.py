@@ -1,0 +1,14 @@
+"""The engine behind `accumnorm.backward`, one job per module, in the order a step runs them:
+
+- `backward`: the public function: arguments, schedule, the step as a transaction.
+- `args`: argument checks; the batch cut into micro-batches.
+- `transaction`: gradients and buffers set aside, merged on success, restored on any error.
+- `rng`: each micro-batch's random stream; the caller's generators one draw on.
+- `step`: one call's micro-batches and the round protocol: `Step.meet` checks that the K micro-batches are
+  at the same BatchNorm call, merges their statistics and normalizes them with one joint node.
+- `calls`: the TorchFunctionMode that routes every batch-statistics norm call of a step to its schedule.
+- `plain`, `lockstep` (the layerwise schedule: coroutines on the caller's thread), `passes`: the schedules.
+- `threadstate`: torch's per-thread state, swapped as the coroutines take turns.
+- `checkpoint`: BatchNorm inside `torch.utils.checkpoint(use_reentrant=False)` regions.
+- `store`: where the layerwise schedule keeps saved tensors.
+"""

@@ -1,0 +1,81 @@
+"""`accumnorm.backward`'s arguments: checked before anything runs, and the batch cut into micro-batches."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, get_args
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+__all__ = ["Batch", "BNMode", "Schedule", "check_args", "check_step_args", "split"]
+
+Batch = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
+BNMode = Literal["exact", "micro"]
+Schedule = Literal["auto", "layerwise", "passes"]
+
+
+def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedule: Any) -> None:
+    """The arguments `backward`, the Trainer and the integrations share, checked before anything runs."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {type(loss_fn).__name__}")
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+        raise TypeError(f"micro_batch_size must be an int, got {type(micro_batch_size).__name__} {micro_batch_size!r}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if bn not in get_args(BNMode):
+        raise ValueError(f"bn must be one of {get_args(BNMode)}, got {bn!r}")
+    if schedule not in get_args(Schedule):
+        raise ValueError(f"schedule must be one of {get_args(Schedule)}, got {schedule!r}")
+
+
+def check_step_args(grad_scaler: Any, process_group: Any) -> None:
+    """What only a step can check: its optional collaborators, and that it may build a graph at all."""
+    if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__} "
+                        f"{grad_scaler!r}")
+    if process_group is not None:
+        from torch.distributed import ProcessGroup  # torch.distributed may be absent from a build
+
+        if not isinstance(process_group, ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
+                            f"{type(process_group).__name__} {process_group!r}")
+    if torch.is_inference_mode_enabled():
+        raise ValueError("accumnorm.backward computes gradients: it cannot run under torch.inference_mode()")
+    if not torch.is_grad_enabled():
+        raise ValueError("accumnorm.backward computes gradients: it cannot run under torch.no_grad(); "
+                         "call it where grad mode is on")
+
+
+def split(batch: Batch, size: int) -> tuple[list[Any], list[int]]:
+    """Cut a tensor, or a tuple/list/namedtuple/dict of tensors, into micro-batches of `size` along dim 0."""
+    if isinstance(batch, Tensor):
+        leaves, rebuild = [("batch", batch)], lambda parts: parts[0]
+    elif isinstance(batch, Mapping):
+        leaves = list(batch.items())
+        rebuild = lambda parts: dict(zip(batch.keys(), parts))  # noqa: E731
+    elif isinstance(batch, tuple) and hasattr(type(batch), "_fields"):  # a namedtuple takes its fields one by one
+        leaves = [(f"batch.{name}", t) for name, t in zip(batch._fields, batch)]
+        rebuild = lambda parts: type(batch)(*parts)  # noqa: E731
+    elif isinstance(batch, (list, tuple)):
+        leaves = [(f"batch[{i}]", t) for i, t in enumerate(batch)]
+        rebuild = lambda parts: type(batch)(parts)  # noqa: E731
+    else:
+        raise TypeError(f"batch must be a Tensor or a tuple/list/dict of Tensors, got {type(batch).__name__}")
+    if not leaves:
+        raise ValueError("batch is empty: expected at least one tensor")
+    for name, t in leaves:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dim() == 0:
+            raise ValueError(f"{name} is a 0-dim tensor: expected a batch dimension 0")
+    lengths = {name: t.shape[0] for name, t in leaves}
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"batch tensors must share dimension 0, got lengths {lengths}")
+    n = leaves[0][1].shape[0]
+    if n == 0:
+        raise ValueError("batch is empty: dimension 0 has length 0")
+    chunks = [t.split(size) for _, t in leaves]
+    return [rebuild(list(parts)) for parts in zip(*chunks)], [min(size, n - i) for i in range(0, n, size)]

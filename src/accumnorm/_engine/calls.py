@@ -1,0 +1,178 @@
+"""Every normalization call of a step that couples the samples of a batch, whoever makes it.
+
+torch's BatchNorm1d/2d/3d, SyncBatchNorm (run as BatchNorm during a step), subclasses such as timm's
+`BatchNormAct2d`, accumnorm's layers and plain user code all end in
+`F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)`. Under a
+`torch.overrides.TorchFunctionMode` that call reaches the mode before it runs, so exact mode needs no
+conversion of the model: `NormCalls` hands each batch-statistics call, as a `BNCall`, to the schedule,
+which returns its output. InstanceNorm couples nothing in its output, but one that tracks running
+statistics updates them once per call: its calls go to the schedule too (`INCall`), to be updated
+once per step. Everything else runs untouched.
+
+A call the schedule could not make exact is refused here: under inference mode or a torch.func
+transform, and inside the forward of a custom `autograd.Function` (`checkpoint(use_reentrant=True)`
+among them), whose backward is its own.
+"""
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from ..functional import Moments
+from .threadstate import Modes
+
+__all__ = ["BNCall", "INCall", "NormCalls", "describe"]
+
+_BATCH_NORM = {  # the batch-norm functions and their argument order
+    F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+    torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"),
+}
+_INSTANCE_NORM = {
+    F.instance_norm: ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps"),
+    torch.instance_norm: ("input", "weight", "bias", "running_mean", "running_var", "use_input_stats", "momentum",
+                          "eps"),
+}
+_DEFAULTS = {"running_mean": None, "running_var": None, "weight": None, "bias": None, "training": False,
+             "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
+
+
+@dataclass(eq=False)
+class BNCall:
+    """One `F.batch_norm(..., training=True)` call: its arguments, the module owning its buffers, and its modes."""
+
+    input: Tensor
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+    momentum: float | None
+    eps: float
+    module: nn.Module | None  # the module whose running_mean this is; None for a call without module buffers
+    modes: Modes
+    stats: Moments | None = None  # the whole batch's statistics, once the micro-batches have met
+
+
+@dataclass(eq=False)
+class INCall:
+    """One `F.instance_norm` call with input statistics that updates running statistics."""
+
+    input: Tensor
+    running_mean: Tensor
+    running_var: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+    momentum: float
+    eps: float
+    module: nn.Module | None
+
+    def output(self) -> Tensor:
+        """The call's output, leaving the running statistics alone."""
+        return F.instance_norm(self.input, None, None, self.weight, self.bias, True, self.momentum, self.eps)
+
+
+def describe(call: BNCall | INCall, names: dict[nn.Module, str]) -> str:
+    """`BatchNorm2d layer1.0.bn1 over 64 channels`, for error messages."""
+    if call.module is None:
+        return f"a F.batch_norm call over {call.input.shape[1]} channels"
+    return f"{type(call.module).__name__} {names.get(call.module, '(outside the model)')} over " \
+           f"{call.input.shape[1]} channels"
+
+
+class NormCalls(TorchFunctionMode):
+    """Sends every batch-statistics `F.batch_norm` call to `on_batch_norm(BNCall) -> Tensor`, and every
+    `F.instance_norm` call that updates running statistics to `on_instance_norm(INCall) -> Tensor`.
+
+    `owners` maps `id(running_mean)` to the module holding it; `seen` counts the batch-statistics calls per such
+    module. `stop` is the code object of the function that calls loss_fn: the search for an enclosing custom
+    autograd.Function ends there.
+    """
+
+    def __init__(self, on_batch_norm: Callable[[BNCall], Tensor], on_instance_norm: Callable[[INCall], Tensor],
+                 owners: dict[int, nn.Module], stop: CodeType, seen: Counter[nn.Module]) -> None:
+        super().__init__()
+        self.on_batch_norm, self.on_instance_norm = on_batch_norm, on_instance_norm
+        self.owners, self.stop, self.seen = owners, stop, seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: A002 - torch's signature
+        kwargs = kwargs or {}
+        if func in _BATCH_NORM:
+            a = _bind(_BATCH_NORM[func], args, kwargs)
+            if a["training"]:
+                self._refuse_where_inexact()
+                owner = self._owner(a["running_mean"])
+                if owner is not None:
+                    self.seen[owner] += 1
+                return self.on_batch_norm(BNCall(a["input"], a["running_mean"], a["running_var"], a["weight"],
+                                                 a["bias"], a["momentum"], a["eps"], owner, Modes.current()))
+        elif func in _INSTANCE_NORM:
+            a = _bind(_INSTANCE_NORM[func], args, kwargs)
+            rm = a["running_mean"]
+            if a["use_input_stats"] and rm is not None:
+                return self.on_instance_norm(INCall(a["input"], rm, a["running_var"], a["weight"], a["bias"],
+                                                    a["momentum"], a["eps"], self._owner(rm)))
+        return func(*args, **kwargs)
+
+    def _owner(self, running_mean: Tensor | None) -> nn.Module | None:
+        return self.owners.get(id(running_mean)) if running_mean is not None else None
+
+    def _refuse_where_inexact(self) -> None:
+        if torch.is_inference_mode_enabled():
+            raise ValueError("bn='exact' met a BatchNorm call with batch statistics under torch.inference_mode, "
+                             "which leaves nothing to back-propagate: put the model in eval mode there, or leave "
+                             "inference_mode out of loss_fn")
+        if torch._C._are_functorch_transforms_active():
+            raise ValueError("bn='exact' cannot see the whole batch inside a torch.func transform (vmap, grad, ...) "
+                             "around a BatchNorm call; use bn='micro' or call the model outside the transform")
+        if not torch.is_grad_enabled():  # a custom Function's forward runs without grad: look for one
+            name = _autograd_function_around(sys._getframe(2), self.stop)
+            if name == "CheckpointFunction":
+                raise ValueError(
+                    "bn='exact' cannot make a BatchNorm call inside torch.utils.checkpoint(..., use_reentrant=True) "
+                    "exact: its backward recomputes the forward outside accumnorm's step, with this micro-batch's "
+                    "statistics alone. Use torch.utils.checkpoint(..., use_reentrant=False), which accumnorm makes "
+                    "exact")
+            if name is not None:
+                raise ValueError(
+                    f"bn='exact' cannot make a BatchNorm call inside the forward of the custom autograd.Function "
+                    f"{name} exact: its backward is its own, and cannot use the whole batch's BatchNorm sums. Call the "
+                    "BatchNorm layer outside the Function, or use bn='micro'")
+
+
+def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
+    return {**_DEFAULTS, **dict(zip(names, args)), **kwargs}
+
+
+_function_forwards: dict[CodeType, bool] = {}  # code object -> whether it is a custom autograd.Function's forward
+
+
+def _autograd_function_around(frame: FrameType | None, stop: CodeType) -> str | None:
+    """The name of the custom autograd.Function whose forward is running below `frame`, if any."""
+    while frame is not None and frame.f_code is not stop:
+        code = frame.f_code
+        if code.co_name == "forward" and _function_forwards.get(code, True):
+            cls = _function_class(frame)
+            _function_forwards[code] = cls is not None
+            if cls is not None:
+                return cls.__name__
+        frame = frame.f_back
+    return None
+
+
+def _function_class(frame: FrameType) -> type | None:
+    """The autograd.Function class of a frame running a method named forward, or None."""
+    code = frame.f_code
+    if code.co_argcount:  # old style, forward(ctx, ...): ctx is the node of the Function being applied
+        ctx = frame.f_locals.get(code.co_varnames[0])
+        if isinstance(ctx, torch.autograd.function.FunctionCtx):
+            return getattr(type(ctx), "_forward_cls", type(ctx))
+    owner = frame.f_globals.get(getattr(code, "co_qualname", "").rpartition(".")[0])  # setup_context style
+    return owner if isinstance(owner, type) and issubclass(owner, torch.autograd.Function) else None

@@ -1,0 +1,89 @@
+"""BatchNorm inside `torch.utils.checkpoint(..., use_reentrant=False)` regions.
+
+A checkpointed region saves none of its activations in the forward; in the backward, unpacking one of
+them runs the region's function again (its "recomputation") to save them then. A BatchNorm call inside
+the region thus runs twice: in the step's forward, where the schedule normalizes it with the whole
+batch's statistics, and in the recomputation, which runs in the backward, outside the step's
+TorchFunctionMode (torch does not carry modes into the backward), where torch's BatchNorm would
+normalize the micro-batch alone and update the running statistics again.
+
+torch's checkpoint keeps a `_CheckpointFrame` per region: the forward runs under its hooks, whose pack
+function holds the frame, and the recomputation calls the frame's `recompute_fn`. `Regions` records,
+in the forward, the BatchNorm calls each region makes, in order, with a way to give each one's output
+again; and wraps the frame's `recompute_fn` so that its recomputation runs under the step's
+TorchFunctionMode, where the i-th BatchNorm call gets the i-th recorded output (and no running
+statistic moves). The wrapper lives on the frame, which lives as long as the step's graph.
+"""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from .calls import BNCall, INCall, NormCalls
+from .threadstate import saved_tensor_hooks
+
+__all__ = ["Regions"]
+
+Recompute = Callable[[Tensor], Tensor]
+_FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+
+
+class Regions:
+    """The checkpointed regions of one step and the BatchNorm calls each made in its forward.
+
+    `norm_calls(on_batch_norm, on_instance_norm)` makes the step's TorchFunctionMode for a recomputation.
+    """
+
+    def __init__(self, norm_calls: Callable[..., NormCalls]) -> None:
+        self.norm_calls = norm_calls
+        self.calls: dict[int, tuple[Any, list[Recompute]]] = {}  # id(frame) -> (frame, its calls in order)
+
+    def enter_forward_call(self, recompute: Recompute) -> None:
+        """Record a forward call, with how to give its output again, in every region it is made in."""
+        for frame in _forward_regions():
+            entry = self.calls.get(id(frame))
+            if entry is None:
+                entry = self.calls[id(frame)] = (frame, [])
+                self._recompute_in_step(frame, entry[1])
+            entry[1].append(recompute)
+
+    def _recompute_in_step(self, frame: Any, recorded: list[Recompute]) -> None:
+        """Make the region's recomputation run under the step's mode, replaying the recorded calls in order."""
+        original = frame.recompute_fn
+
+        def recompute_fn(*args: Any) -> Any:
+            pending = iter(recorded)
+
+            def batch_norm(call: BNCall) -> Tensor:
+                recompute = next(pending, None)
+                if recompute is None:
+                    raise ValueError("bn='exact': a checkpointed region's recomputation made more BatchNorm calls "
+                                     "than its forward; the region's function must make the same calls each time")
+                return recompute(call.input)
+
+            with self.norm_calls(batch_norm, INCall.output):  # InstanceNorm: the same output, no update
+                return original(*args)
+
+        frame.recompute_fn = recompute_fn
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+def _forward_regions() -> list[Any]:
+    """The `_CheckpointFrame`s of the checkpointed regions whose forward encloses this point, outermost first."""
+    frames = []
+    for pack, _ in saved_tensor_hooks():
+        fn = inspect.unwrap(pack)
+        if getattr(fn, "__qualname__", "") != _FORWARD_HOOK or fn.__module__ != "torch.utils.checkpoint":
+            continue
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+        frame = cells["frame"].cell_contents if "frame" in cells else None
+        if not hasattr(frame, "recompute_fn"):
+            raise RuntimeError("bn='exact' does not know this version of torch.utils.checkpoint, whose region "
+                               "holds no recompute_fn: it cannot make BatchNorm inside the region exact")
+        frames.append(frame)
+    return frames

@@ -1,0 +1,159 @@
+"""The layerwise schedule: the micro-batches' forwards in lockstep, meeting at every BatchNorm call.
+
+Each micro-batch's loss_fn runs once, as a coroutine (a greenlet) on the caller's thread. At a
+BatchNorm call it pauses and the driver resumes the next one; once all K are at the call,
+`Step.meet` normalizes their pieces together with the whole batch's statistics, and each goes on with
+its own. The backward is one call over the K losses: autograd runs each joint node's backward once
+every micro-batch's gradient at its output is known, which is exactly when the whole batch's sums
+sum(dy) and sum(dy * x_hat) can be formed.
+
+Cost: one forward and one backward of each micro-batch, as plain accumulation, at any depth. Price:
+the K graphs live together until the backward, so autograd's saved tensors of the whole batch are
+kept, in `store` (on CUDA, pinned host memory by default: the device then holds about one
+micro-batch's activations plus the tensors that cross the current BatchNorm call for all K).
+
+Any model runs as written: Python control flow, hooks and side effects run once per micro-batch, on
+the caller's thread, with its intra-op threads, CUDA device and stream. At every turn the coroutines
+swap torch's per-thread state (`ThreadState`: grad mode, autocast, saved-tensor hooks, modes, CUDA
+stream) and their random streams (`StepRng`), so each runs as it would alone. A BatchNorm call inside
+a `checkpoint(use_reentrant=False)` region is recorded with its region (`Regions`); its recomputation
+in the backward gives the same output from the same whole-batch statistics and saves nothing in the
+region's place, as the joint node did in the forward.
+"""
+from __future__ import annotations
+
+import contextvars
+from contextlib import nullcontext
+
+import greenlet
+import torch
+from torch import Tensor
+
+from .calls import BNCall, INCall
+from .step import Step
+from .store import Store
+from .threadstate import ThreadState
+
+__all__ = ["layerwise"]
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+class _Lockstep:
+    """The driver and the K coroutines of one step (module doc)."""
+
+    def __init__(self, step: Step, store: Store | None) -> None:
+        self.step, self.store = step, store
+        self.driver = greenlet.getcurrent()
+        self.coroutines: list[greenlet.greenlet] = []
+        self.current: int | None = None  # the micro-batch whose forward runs now
+        self.instance_norms = [0] * len(step.micro_batches)  # InstanceNorm calls each micro-batch made so far
+        self.base: ThreadState | None = None  # the driver's state, which every coroutine returns to when it pauses
+
+    def run(self) -> None:
+        with self.step.norm_calls(self._batch_norm, self._instance_norm):
+            with self.store.hooks() if self.store is not None else nullcontext():
+                roots = self._forwards()
+        if roots:
+            # One backward over every micro-batch: the joint nodes need all K gradients at once.
+            torch.autograd.backward(roots)
+
+    def _forwards(self) -> list[Tensor]:
+        """Run the K forwards in lockstep to their losses; the weighted losses still to back-propagate."""
+        step, k_all = self.step, range(len(self.step.micro_batches))
+        self.base = ThreadState.capture()
+        context = contextvars.copy_context()
+        self.coroutines = [greenlet.greenlet(self._forward) for _ in k_all]
+        for g in self.coroutines:
+            g.gr_context = context.copy()  # contextvars as the caller's, but each coroutine's own
+        try:
+            ends = [self._resume(k, k) for k in k_all]
+            index = 0
+            while any(isinstance(end, BNCall) for end in ends):
+                calls = [end if isinstance(end, BNCall) else None for end in ends]
+                if None in calls:
+                    step.check_same(calls, index)  # raises: not all at a BatchNorm call
+                outputs = step.meet(calls, index)
+                index += 1
+                ends = [self._resume(k, out) for k, out in zip(k_all, outputs)]
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            self.coroutines = []
+        roots = []
+        for k, loss in zip(k_all, ends):
+            weighted = step.weighted(loss, k)
+            if index == 0:
+                # No BatchNorm call at all: each graph is its own, and its backward frees it now, as plain
+                # accumulation would.
+                weighted.backward()
+            else:
+                roots.append(weighted)
+        return roots
+
+    def _forward(self, k: int) -> Tensor:
+        """The body of micro-batch k's coroutine: its loss_fn (which pauses at each BatchNorm call)."""
+        loss = self.step.loss(k)
+        self.step.losses[k] = loss.detach()
+        return loss
+
+    def _resume(self, k: int, value: object) -> BNCall | Tensor:
+        """Run micro-batch k's forward until its next BatchNorm call (returned) or its end (its loss)."""
+        self.current = k
+        self.step.rng.begin(k)
+        try:
+            end = self.coroutines[k].switch(value)
+        except BaseException as e:
+            if hasattr(e, "add_note") and not isinstance(e, greenlet.GreenletExit):
+                e.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
+            raise
+        finally:
+            self.step.rng.end(k)
+            self.current = None
+        if not isinstance(end, BNCall):  # the forward is over: whatever it left of its state goes
+            self.base.apply(ThreadState.capture())
+        return end
+
+    def _batch_norm(self, call: BNCall) -> Tensor:
+        """A BatchNorm call of a micro-batch's forward: pause until all K are at it."""
+        if self.current is None:
+            raise RuntimeError(f"bn='exact' met a BatchNorm call outside the micro-batches' forwards "
+                               f"({self.step.describe(call)})")
+        self.step.regions.enter_forward_call(lambda x: self._recompute(call, x))
+        own = ThreadState.capture()
+        try:
+            self.base.apply(own)
+            return self.driver.switch(call)  # the driver switches back with this micro-batch's piece
+        finally:
+            own.apply(ThreadState.capture())
+
+    def _recompute(self, call: BNCall, x: Tensor) -> Tensor:
+        # The joint node computed the forward's output outside the region: it saves nothing in the region's place.
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            return self.step.recompute(call, call.stats)(x)
+
+    def _instance_norm(self, call: INCall) -> Tensor:
+        k = self.current
+        self.step.instance_norm(call, self.instance_norms[k])
+        self.instance_norms[k] += 1
+        return call.output()
+
+    def _abort(self) -> None:
+        """Unwind every paused forward (its `finally` blocks run in its own state), then return to the driver's."""
+        for g in self.coroutines:
+            for _ in range(3):  # a forward that swallows the exit and pauses again gets it again
+                if g.dead:
+                    break
+                try:
+                    g.throw(greenlet.GreenletExit)
+                except BaseException:  # noqa: S110 - the step's first error is the one raised
+                    pass
+        self.base.apply(ThreadState.capture())
+
+
+def layerwise(step: Step, store: Store | None) -> None:
+    """Exact BatchNorm with the micro-batches in lockstep (module doc); fills `step.losses` and the step's calls."""
+    _Lockstep(step, store).run()

@@ -1,0 +1,226 @@
+"""One `accumnorm.backward` call, and the round protocol every exact schedule uses to make it exact.
+
+The micro-batches of a step must make the same normalization calls in the same order: call j of
+micro-batch k is the k-th piece of call j of the whole batch. `Step.check_same` holds them to that
+(shape past the batch dimension, dtype, device, parameters, buffers, eps, modes) and says what differs
+where; `Step.joint_moments` merges their statistics over micro-batches and ranks; `Step.meet` does
+both and normalizes all K pieces with one autograd node. Every call met is recorded, and
+`update_running_stats` applies one running-statistics update per call at the end, as one forward of
+the whole batch would.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..distributed import Collectives
+from ..functional import Moments, moments, normalize_joint, normalize_with, stack_moments, update_running_stats_
+from .calls import BNCall, INCall, NormCalls, describe
+from .checkpoint import Regions
+from .rng import StepRng
+
+__all__ = ["Step", "LossFn"]
+
+LossFn = Callable[[nn.Module, Any], Tensor]
+
+
+@dataclass(eq=False)
+class _InstanceNormStats:
+    """One InstanceNorm call of the whole batch: the sums of its per-sample statistics over the micro-batches."""
+
+    call: INCall
+    count: int = 0
+    sum_mean: Tensor | float = 0.0
+    sum_var: Tensor | float = 0.0
+
+
+class Step:
+    """One `accumnorm.backward` call: the micro-batches, each one's share of the loss, and the calls they meet at.
+
+    A schedule fills `losses` (one detached loss per micro-batch) and, in exact mode, meets the micro-batches
+    at each BatchNorm call (`meet`, or `check_same` + `joint_moments` + `record`).
+    """
+
+    def __init__(self, model: nn.Module, micro_batches: list[Any], weights: list[float], loss_fn: LossFn,
+                 collectives: Collectives, grad_scaler: torch.amp.GradScaler | None, rng: StepRng) -> None:
+        self.model, self.micro_batches, self.weights, self.loss_fn = model, micro_batches, weights, loss_fn
+        self.collectives, self.grad_scaler, self.rng = collectives, grad_scaler, rng
+        # Each buffer's module: a call's running statistics name the layer it belongs to.
+        self.owners = {id(b): m for m in model.modules() for b in m._buffers.values() if b is not None}
+        self.seen: Counter[nn.Module] = Counter()  # batch-statistics calls the schedule saw, per owning module
+        self.losses: list[Tensor | None] = [None] * len(micro_batches)
+        self.batch_norms: list[tuple[BNCall, Moments]] = []  # the whole batch's BatchNorm calls, in order
+        self.instance_norms: list[_InstanceNormStats] = []
+        self.regions = Regions(self.norm_calls)
+        self._names: dict[nn.Module, str] | None = None
+
+    def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor],
+                   on_instance_norm: Callable[[INCall], Tensor]) -> NormCalls:
+        """The TorchFunctionMode that sends this step's norm calls to a schedule's handlers."""
+        return NormCalls(on_batch_norm, on_instance_norm, self.owners, Step.loss.__code__, self.seen)
+
+    # ---------------------------------------------------------------- the micro-batches' loss
+    def loss(self, k: int) -> Tensor:
+        """loss_fn on micro-batch k, checked to be a floating-point scalar tensor."""
+        loss = self.loss_fn(self.model, self.micro_batches[k])
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"loss_fn must return a scalar Tensor, got {type(loss).__name__} for micro-batch {k}")
+        if loss.dim() != 0:
+            raise ValueError(
+                f"loss_fn must return a scalar (0-dim) Tensor, got shape {tuple(loss.shape)} for micro-batch {k}")
+        if not loss.is_floating_point():
+            raise TypeError(f"loss_fn must return a floating-point loss, got {loss.dtype} for micro-batch {k}")
+        if not loss.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"loss_fn's loss for micro-batch {k} does not require grad: it is detached from the "
+                             "model's parameters (a .detach(), .item(), or a forward under torch.no_grad)")
+        return loss
+
+    def weighted(self, loss: Tensor, k: int) -> Tensor:
+        """Micro-batch k's share of the whole-batch mean loss (times the AMP scale, if any)."""
+        loss = loss * self.weights[k]
+        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+
+    # ---------------------------------------------------------------- the round protocol
+    def meet(self, calls: Sequence[BNCall], index: int) -> list[Tensor]:
+        """The K micro-batches' pieces of BatchNorm call `index`, normalized with the whole batch's statistics by
+        one autograd node (its backward runs once every piece's gradient is known: it needs their sums)."""
+        self.check_same(calls, index)
+        with torch.no_grad():
+            stats = self.joint_moments([moments(c.input) for c in calls])
+        for call in calls:
+            call.stats = stats
+        first = self.record(calls[0], stats)
+        with first.modes.entered():
+            return list(normalize_joint([c.input for c in calls], stats, first.weight, first.bias, first.eps,
+                                        self.collectives.sum_))
+
+    def check_same(self, calls: Sequence[BNCall | None], index: int, micro_batches: Sequence[int] | None = None,
+                   grad_mode: bool = True) -> None:
+        """Raise, naming what differs and where, unless every micro-batch is at the same BatchNorm call.
+
+        `calls[i]` is micro-batch `micro_batches[i]`'s (default: i's) piece; `grad_mode`: the grad modes must agree.
+        """
+        first = calls[0]
+        for i, call in enumerate(calls):
+            problem = _difference(first, call, grad_mode)
+            if problem is not None:
+                k = micro_batches[i] if micro_batches is not None else i
+                raise ValueError(
+                    f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but at "
+                    f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made "
+                    f"{self.describe(first) if first is not None else 'none'}")
+
+    def joint_moments(self, parts: list[Moments]) -> Moments:
+        """The moments of the whole batch (every micro-batch, every rank) from each micro-batch's."""
+        return self.collectives.merge_moments(stack_moments(parts))
+
+    def record(self, call: BNCall, stats: Moments) -> BNCall:
+        """Note a BatchNorm call of the whole batch, with its statistics, for the running-statistics update."""
+        if call.running_mean is not None and call.module is None:
+            raise ValueError(
+                f"bn='exact' met a F.batch_norm call over {call.input.shape[1]} channels whose running statistics "
+                "are not buffers of the model (a BatchNorm layer outside it?): accumnorm could neither update them "
+                "once per step nor restore them on an error. Make the layer part of the model")
+        self.batch_norms.append((call, stats))
+        return call
+
+    def recompute(self, call: BNCall, stats: Moments) -> Callable[[Tensor], Tensor]:
+        """How a checkpointed region's recomputation gives this call's output again: the same statistics."""
+        return lambda x: normalize_with(x, stats.mean, stats.var, call.weight, call.bias, call.eps)
+
+    def instance_norm(self, call: INCall, index: int) -> None:
+        """Add micro-batch's piece of InstanceNorm call `index` (in its forward) to the whole batch's statistics."""
+        if call.module is None:
+            raise ValueError(
+                f"bn='exact' met a F.instance_norm call over {call.input.shape[1]} channels whose running statistics "
+                "are not buffers of the model: make the layer part of the model")
+        if index == len(self.instance_norms):
+            self.instance_norms.append(_InstanceNormStats(call))
+        entry = self.instance_norms[index]
+        if entry.call.running_mean is not call.running_mean:
+            raise ValueError(f"bn='exact' needs every micro-batch to make the same InstanceNorm calls in the same "
+                             f"order; at InstanceNorm call {index} one made {self.describe(call)} where "
+                             f"micro-batch 0 made {self.describe(entry.call)}")
+        x = call.input.detach().flatten(2)
+        with torch.no_grad():  # torch's instance_norm: per-sample mean and unbiased variance, averaged over samples
+            var, mean = torch.var_mean(x if x.dtype == torch.float64 else x.float(), dim=2, correction=1)
+        entry.count += call.input.shape[0]
+        entry.sum_mean = entry.sum_mean + mean.sum(0)
+        entry.sum_var = entry.sum_var + var.sum(0)
+
+    # ---------------------------------------------------------------- the end of the step
+    def update_running_stats(self, tracked_before: dict[_BatchNorm, Tensor]) -> None:
+        """One running-statistics update per call, in forward order, as torch's whole-batch forward makes them.
+
+        `tracked_before` holds each BatchNorm module's `num_batches_tracked` from before the step: the micro-batch
+        forwards bumped it once per call each, whole-batch torch bumps it once per call.
+        """
+        calls_so_far: dict[nn.Module, int] = {}
+        for call, stats in self.batch_norms:
+            m, factor = call.module, call.momentum
+            if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
+                calls_so_far[m] = calls_so_far.get(m, 0) + 1
+                if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
+                    factor = 1.0 / float(tracked_before[m] + calls_so_far[m])
+            if call.running_mean is not None:
+                update_running_stats_(call.running_mean, call.running_var, stats.mean,
+                                      stats.m2 / (stats.count - 1), factor)
+        for entry in self.instance_norms:
+            count = entry.sum_mean.new_full((1,), entry.count)
+            total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
+            n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
+            update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
+        with torch.no_grad():
+            for m, before in tracked_before.items():
+                m.num_batches_tracked.copy_(before + calls_so_far.get(m, 0))
+
+    def describe(self, call: BNCall | INCall) -> str:
+        return describe(call, self.names)
+
+    @property
+    def names(self) -> dict[nn.Module, str]:
+        """Each module's name in the model, for messages."""
+        if self._names is None:
+            self._names = {m: name or "(the model)" for name, m in self.model.named_modules()}
+        return self._names
+
+
+def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool) -> str | None:
+    """What differs between two micro-batches' pieces of a BatchNorm call, or None if they are pieces of one call."""
+    if call is None:
+        return "had ended its forward"
+    if first is None:
+        return "made a BatchNorm call"
+    x, x0 = call.input, first.input
+    checks = [
+        ("its input's shape past the batch dimension", tuple(x.shape[1:]), tuple(x0.shape[1:])),
+        ("its input's dtype", x.dtype, x0.dtype),
+        ("its input's device", x.device, x0.device),
+        ("the module", call.module, first.module),
+        ("eps", call.eps, first.eps),
+        ("autocast", call.modes.autocast, first.modes.autocast),
+    ]
+    if grad_mode:
+        checks.append(("grad mode", (call.modes.grad, call.modes.fwd_grad), (first.modes.grad, first.modes.fwd_grad)))
+    if not (isinstance(call.module, _BatchNorm) and call.module.momentum is None):  # else momentum counts the calls
+        checks.append(("momentum", call.momentum, first.momentum))
+    for what, got, expected in checks:
+        if got != expected:
+            return f"differs in {what} ({got} against {expected})"
+    for name in ("running_mean", "running_var", "weight", "bias"):
+        got, expected = getattr(call, name), getattr(first, name)
+        if got is expected:
+            continue
+        # A weight computed in each forward (a parametrization, a cast) is the same weight if its values are.
+        if name in ("weight", "bias") and got is not None and expected is not None and got.shape == expected.shape \
+                and bool(torch.equal(got, expected)):
+            continue
+        return f"passed another {name} tensor to the call"
+    return None

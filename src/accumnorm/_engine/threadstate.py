@@ -1,0 +1,146 @@
+"""torch's per-thread state, taken and put back as the micro-batches take turns on one OS thread.
+
+torch keeps grad mode, autocast, saved-tensor hooks, torch-function and dispatch modes, and the CUDA
+device and stream per OS thread. The layerwise schedule runs the K micro-batches' forwards as
+coroutines on the caller's thread, each paused at a BatchNorm call while the others catch up: what
+one of them has entered (a `no_grad`, an `autocast`, a checkpointed region's hooks) must neither leak
+into the others nor into the step. `ThreadState.capture()` takes all of it and `apply()` puts it
+back, changing only what differs. Anything else the dispatcher keeps per thread must be as the step
+found it: `apply` verifies that, and refuses rather than run on in a state it cannot restore.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+__all__ = ["ThreadState", "Modes"]
+
+_C = torch._C
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Modes:
+    """The modes a forward runs in: grad mode, forward-AD mode and autocast (device, enabled, dtype)."""
+
+    grad: bool
+    fwd_grad: bool
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+    autocast_cache: bool
+
+    @classmethod
+    def current(cls) -> Modes:
+        return cls(_C.is_grad_enabled(), _C._is_fwd_grad_enabled(),
+                   tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
+                   torch.is_autocast_cache_enabled())
+
+    def apply(self, current: Modes) -> None:
+        if self.grad != current.grad:
+            _C._set_grad_enabled(self.grad)
+        if self.fwd_grad != current.fwd_grad:
+            _C._set_fwd_grad_enabled(self.fwd_grad)
+        for (device, enabled, dtype), now in zip(self.autocast, current.autocast):
+            if (device, enabled, dtype) != now:
+                torch.set_autocast_enabled(device, enabled)
+                torch.set_autocast_dtype(device, dtype)
+        if self.autocast_cache != current.autocast_cache:
+            torch.set_autocast_cache_enabled(self.autocast_cache)
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the block in these modes, then go back to the ones before."""
+        before = Modes.current()
+        self.apply(before)
+        try:
+            yield
+        finally:
+            before.apply(self)
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """A snapshot of the calling thread's torch state (see the module doc)."""
+
+    modes: Modes
+    function_modes: tuple[Any, ...]
+    function_state: Any  # torch._C._TorchFunctionState
+    dispatch_modes: tuple[Any, ...]
+    saved_tensor_hooks: tuple[tuple[Any, Any], ...]  # bottom to top
+    hooks_disabled: str | None  # the error message of disable_saved_tensors_hooks, None when enabled
+    cuda: tuple[int, Any] | None  # current device and stream, once CUDA is initialized
+    keys: tuple[int, int]  # the dispatcher's thread-local included and excluded keys, as raw bits
+
+    @classmethod
+    def capture(cls) -> ThreadState:
+        cuda = None
+        if torch.cuda.is_initialized():
+            cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
+        return cls(
+            Modes.current(),
+            tuple(_C._get_function_stack_at(i) for i in range(_C._len_torch_function_stack())),
+            _C._get_torch_function_state(),
+            tuple(_C._get_dispatch_stack_at(i) for i in range(_C._len_torch_dispatch_stack())),
+            saved_tensor_hooks(),
+            None if _C._autograd._saved_tensors_hooks_is_enabled()
+            else _C._autograd._saved_tensors_hooks_get_disabled_error_message(),
+            cuda,
+            _keys(),
+        )
+
+    def with_modes(self, modes: Modes) -> ThreadState:
+        return replace(self, modes=modes)
+
+    def apply(self, current: ThreadState) -> None:
+        """Make this the thread's state; `current` is the state the thread is in now (a fresh capture)."""
+        self.modes.apply(current.modes)
+        if self.function_modes != current.function_modes:
+            while _C._len_torch_function_stack():
+                _C._pop_torch_function_stack()
+            for mode in self.function_modes:
+                _C._push_on_torch_function_stack(mode)
+        if self.function_state != current.function_state:
+            _C._set_torch_function_state(self.function_state)
+        if self.dispatch_modes != current.dispatch_modes:
+            while _C._len_torch_dispatch_stack():
+                _C._pop_torch_dispatch_stack(None)
+            for mode in self.dispatch_modes:
+                _C._push_on_torch_dispatch_stack(mode)
+        if self.saved_tensor_hooks != current.saved_tensor_hooks:
+            for _ in current.saved_tensor_hooks:
+                _C._autograd._pop_saved_tensors_default_hooks()
+            for pack, unpack in self.saved_tensor_hooks:
+                _C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        if self.hooks_disabled != current.hooks_disabled:
+            if self.hooks_disabled is None:
+                _C._autograd._saved_tensors_hooks_enable()
+            else:
+                _C._autograd._saved_tensors_hooks_disable(self.hooks_disabled)
+        if self.cuda is not None and self.cuda != current.cuda:
+            torch.cuda.set_device(self.cuda[0])
+            torch.cuda.set_stream(self.cuda[1])
+        if _keys() != self.keys:
+            raise RuntimeError(
+                "accumnorm cannot switch between micro-batches here: torch's dispatcher state of this thread differs "
+                "from the one the step began in, beyond grad mode, autocast and modes (inference mode, a torch.func "
+                "transform, or a dispatch-key guard is active at a BatchNorm call)")
+
+
+def saved_tensor_hooks() -> tuple[tuple[Any, Any], ...]:
+    """The thread's stack of default saved-tensor hooks, bottom to top (torch exposes only its top)."""
+    popped = []
+    top = _C._autograd._top_saved_tensors_default_hooks(False)
+    while top is not None:
+        popped.append(top)
+        _C._autograd._pop_saved_tensors_default_hooks()
+        top = _C._autograd._top_saved_tensors_default_hooks(False)
+    for pack, unpack in reversed(popped):
+        _C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+    return tuple(reversed(popped))
+
+
+def _keys() -> tuple[int, int]:
+    return _C._dispatch_tls_local_include_set().raw_repr(), _C._dispatch_tls_local_exclude_set().raw_repr()

@@ -1,0 +1,176 @@
+"""BatchNorm inside activation checkpointing: `checkpoint(use_reentrant=False)` regions are exact under every
+schedule, their recomputation updates no running statistic; `use_reentrant=True` around BatchNorm is refused.
+
+The oracle is the same model with checkpointing off, one forward/backward of the whole batch (torch's own
+checkpoint updates running statistics twice, once more in the recomputation)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import accumnorm
+from helpers import EXACT_SCHEDULES, assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
+from models import data
+
+
+class Checkpointed(nn.Module):
+    """conv-BN-act-conv-BN-act in a checkpointed region (optionally a second region nested inside), a BatchNorm
+    and an InstanceNorm with running statistics around it; `ckpt=None` runs it all without checkpointing."""
+
+    def __init__(self, ckpt: str | None = "flat") -> None:
+        super().__init__()
+        self.ckpt = ckpt
+        self.c1, self.b1 = nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.c2, self.b2 = nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6, momentum=None)
+        self.inorm = nn.InstanceNorm2d(6, affine=True, track_running_stats=True)
+        self.b3 = nn.BatchNorm2d(6)
+        self.head = nn.Linear(6, 10)
+
+    def inner(self, x):
+        return torch.tanh(self.inorm(self.b2(self.c2(x))))
+
+    def block(self, x):
+        x = torch.tanh(self.b1(self.c1(x)))
+        if self.ckpt == "nested":
+            return checkpoint(self.inner, x, use_reentrant=False)
+        return self.inner(x)
+
+    def forward(self, x):
+        x = self.block(x) if self.ckpt is None else checkpoint(self.block, x, use_reentrant=False)
+        x = self.b3(x) + self.b1(x)  # b1 again, outside the region: a second call of a layer inside it
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("ckpt", ["flat", "nested"])
+def test_batchnorm_in_a_checkpointed_region_is_exact(schedule, ckpt):
+    model = Checkpointed(ckpt).double()
+    ref = copy.deepcopy(model)
+    ref.ckpt = None
+    batch = data((1, 8, 8), 10, torch.float64)
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)  # running statistics and num_batches_tracked: updated once per call, as the oracle's
+
+
+def test_the_recomputation_replays_the_forwards_dropout():
+    """A region with dropout: the recomputation draws the forward's masks again (torch's preserve_rng_state), so
+    checkpointed and plain runs of the same seed agree, under both schedules."""
+    class Dropped(Checkpointed):
+        def inner(self, x):
+            return F.dropout(super().inner(x), 0.3, self.training)
+
+    model = Dropped().double()
+    batch = data((1, 8, 8), 10, torch.float64)
+    results = []
+    for schedule in EXACT_SCHEDULES:
+        for ckpt in ("flat", None):
+            m = copy.deepcopy(model)
+            m.ckpt = ckpt
+            torch.manual_seed(3)
+            results.append((m, accumnorm.backward(m, batch, ce_loss, micro_batch_size=4, schedule=schedule)))
+    (first, loss), *others = results
+    for m, other_loss in others:
+        assert rel_err(other_loss, loss) < 1e-12
+        compare(first, m, 1e-9)
+
+
+class Reentrant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = checkpoint(self.body, x, use_reentrant=True)
+        return self.head(x.mean((2, 3)))
+
+
+def test_reentrant_checkpoint_around_batchnorm_is_refused_saying_what_to_use(schedule):
+    model = Reentrant()
+    batch = (torch.randn(8, 1, 6, 6, requires_grad=True), torch.randint(0, 10, (8,)))
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=8, schedule=schedule)  # one micro-batch: torch's own
+    snap = snapshot(model)
+    state = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"use_reentrant=True.*Use torch.utils.checkpoint\(\.\.\., use_reentrant=F"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    assert_unchanged(model, snap)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+class InFunction(torch.autograd.Function):
+    """A custom Function that runs a BatchNorm layer in its forward and has a backward of its own."""
+
+    @staticmethod
+    def forward(ctx, x, bn):
+        ctx.bn = bn
+        return bn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def test_batchnorm_inside_a_custom_function_is_refused_naming_it(schedule):
+    bn, head = nn.BatchNorm1d(4), nn.Linear(4, 10)
+    model = nn.ModuleDict({"bn": bn, "head": head})
+    loss_fn = lambda m, b: ce_loss(lambda x: m["head"](InFunction.apply(x, m["bn"])), b)  # noqa: E731
+    batch = (torch.randn(8, 4, requires_grad=True), torch.randint(0, 10, (8,)))
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match="custom autograd.Function InFunction"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=4, schedule=schedule)
+    assert_unchanged(model, snap)
+
+
+def _densenets(**config):
+    """torchvision's DenseNet with memory_efficient=True (every dense layer's BatchNorm in a checkpointed region,
+    use_reentrant=False), and the same net and weights without."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.DenseNet(num_classes=10, memory_efficient=True, **config).double()
+    ref = torchvision.models.DenseNet(num_classes=10, **config).double()
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+@pytest.mark.parametrize("schedule", EXACT_SCHEDULES)
+def test_a_memory_efficient_densenet_is_exact(schedule):
+    model, ref = _densenets(growth_rate=4, block_config=(2, 3), num_init_features=8)
+    batch = (torch.randn(5, 3, 24, 24, dtype=torch.float64), torch.randint(0, 10, (5,)))
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+@pytest.mark.slow
+def test_densenet121_memory_efficient_is_exact():
+    """densenet121 itself, under the default schedule (passes takes 2L + 1 = 241 passes over it)."""
+    model, ref = _densenets(growth_rate=32, block_config=(6, 12, 24, 16), num_init_features=64)
+    batch = (torch.randn(6, 3, 32, 32, dtype=torch.float64), torch.randint(0, 10, (6,)))
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+@pytest.mark.slow
+def test_timm_grad_checkpointing_is_exact():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    ref = timm.create_model("resnet18", num_classes=10).double()
+    model = copy.deepcopy(ref)
+    model.set_grad_checkpointing()
+    batch = (torch.randn(6, 3, 32, 32, dtype=torch.float64), torch.randint(0, 10, (6,)))
+    expected = whole_batch(ref, batch)
+    for schedule in EXACT_SCHEDULES:
+        ours = copy.deepcopy(model)
+        loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+        assert rel_err(loss, expected) < 1e-12
+        compare(ref, ours, 1e-9)
