@@ -47,7 +47,7 @@ from .data import OFFLINE, Dataset, load_dataset
 from .fused import fusable, use_ghost_batches
 from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 from .report import write_report
-from .settings import StudySettings, parse_config
+from .settings import StudySettings, check_positive_int, parse_config
 
 __all__ = ["run_study", "data_order", "evaluate", "Task", "eval_batch"]
 
@@ -88,8 +88,8 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     settings = settings or StudySettings()
     out = Path(out)
     device = _device(device)
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if workers is not None:
+        check_positive_int("workers", workers)
     offline = settings.dataset in OFFLINE or settings.data_dir is None
     data_dir = None if offline else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
