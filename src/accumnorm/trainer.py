@@ -28,8 +28,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import distributed
-from .accumulation import backward
+from .accumulation import backward, check_args
 from .distributed import unwrap_ddp
+from .schedules import resolve_store
 
 try:
     from tqdm.auto import tqdm
@@ -58,6 +59,12 @@ class Trainer:
                  store: str | torch.device | None = None):
         # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
         model, process_group = unwrap_ddp(model, process_group)
+        check_args(model, loss_fn, micro_batch_size, bn, schedule)  # as accumnorm.backward would at every step
+        resolve_store(store)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if next(model.parameters(), None) is None:
+            raise ValueError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train")
         if process_group is None and dist.is_initialized():
             process_group = dist.group.WORLD
         if amp not in (None, *AMP_DTYPES):
