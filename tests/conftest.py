@@ -1,9 +1,18 @@
 """pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one;
-`one_thread` for tests of small tensors."""
+`one_thread` for tests of small tensors; tests marked `cuda` skip, saying why, without a GPU."""
 import pytest
 import torch
 
 from helpers import EXACT_SCHEDULES, schedule_named
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked cuda: needs a CUDA GPU, and none is present")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
