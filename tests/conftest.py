@@ -1,8 +1,18 @@
-"""pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one."""
+"""pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one;
+`one_thread` for tests of small tensors; tests marked `cuda` skip, saying why, without a GPU."""
 import pytest
 import torch
 
 from helpers import EXACT_SCHEDULES
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked cuda: needs a CUDA GPU, and none is present")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
@@ -13,3 +23,12 @@ def _seed():
 @pytest.fixture(params=EXACT_SCHEDULES)
 def schedule(request):
     return request.param
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors run fastest on one thread, and much slower with two on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -71,3 +71,37 @@ def test_help_lists_the_options(capsys):
     for option in ("--dataset", "--data-dir", "--norms", "--configs", "--runs", "--iterations", "--eval-every",
                    "--lr", "--seed", "--device", "--out", "--quick"):
         assert option in text
+
+
+TINY_RUN = ["--quick", "--norms", "none", "--configs", "2x1", "--runs", "1", "--iterations", "1", "--eval-every", "1",
+            "--device", "cpu", "--workers", "1", "--no-progress"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--eval-every", "50", "--iterations", "20"], "eval_every (50) is more than iterations (20)"),
+    (["--lr", "inf"], "lr must be a finite number > 0, got inf"),
+    (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
+    (["--lr", "-0.1"], "lr must be a finite number > 0, got -0.1"),
+    (["--threads", "-1"], "threads must be a positive int, got -1"),
+    (["--threads", "0"], "threads must be a positive int, got 0"),
+    (["--workers", "0"], "workers must be a positive int, got 0"),
+    (["--runs", "0"], "runs must be a positive int, got 0"),
+    (["--iterations", "-3"], "iterations must be a positive int, got -3"),
+    (["--eval-every", "0"], "eval_every must be a positive int, got 0"),
+    (["--seed", "-1"], "seed must be an int from 0 to 2**64 - runs"),
+])
+def test_bad_numeric_flags_are_one_line_errors_before_anything_runs(tmp_path, capsys, flags, message):
+    out = tmp_path / "out"
+    assert main(["study", *TINY_RUN, *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("accumnorm study: error: ") and message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_an_out_that_is_a_file_is_refused_and_left_alone(tmp_path, capsys):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    assert main(["study", *TINY_RUN, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} is a file, not a directory" in err and err.count("\n") == 1, err
+    assert out.read_text() == "mine"

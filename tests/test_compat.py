@@ -110,7 +110,7 @@ def test_data_parallel_replicates_eager_materialized_and_converted_layers():
     torch.testing.assert_close(replica(x), layer(x))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.nn.parallel.replicate needs CUDA devices")
+@pytest.mark.cuda  # torch.nn.parallel.replicate needs CUDA devices
 def test_data_parallel_replicate_on_cuda():
     model = _every_norm().cuda().eval()
     replica = torch.nn.parallel.replicate(model, [0])[0]

@@ -113,3 +113,39 @@ def test_convert_refuses_before_changing_anything_and_keeps_shared_layers_shared
     shared = nn.BatchNorm2d(3)
     model = accumnorm.convert(nn.Sequential(shared, nn.ReLU(), shared))
     assert model[0] is model[2] and type(model[0]) is accumnorm.BatchNorm2d
+
+
+def test_convert_and_revert_keep_the_layers_hooks_and_attributes():
+    """convert used to drop them silently: a hook on a BatchNorm stopped firing, `bn.tag` was gone."""
+    model = nn.Sequential(nn.Conv2d(1, 3, 1), nn.BatchNorm2d(3))
+    bn, calls = model[1], []
+    bn.register_forward_pre_hook(lambda m, args: calls.append(("pre", type(m))))
+    hook = bn.register_forward_hook(lambda m, args, out: calls.append(("forward", type(m))))
+    bn.register_full_backward_hook(lambda m, grad_in, grad_out: calls.append(("backward", type(m))))
+    bn.register_state_dict_post_hook(lambda m, state, prefix, local: calls.append(("state_dict", type(m))))
+    bn.register_load_state_dict_pre_hook(lambda m, state, prefix, *rest: calls.append(("load", type(m))))
+    bn.tag = "x"
+    model(torch.randn(4, 1, 2, 2))  # running statistics that are not the initial ones
+    state = model.state_dict()
+    for swap, cls in [(accumnorm.convert, accumnorm.BatchNorm2d), (accumnorm.revert, nn.BatchNorm2d)]:
+        calls.clear()
+        swap(model)
+        layer = model[1]
+        assert type(layer) is cls and isinstance(layer, nn.BatchNorm2d) and layer.tag == "x"
+        now = model.state_dict()
+        assert now.keys() == state.keys() and all(torch.equal(now[k], v) for k, v in state.items())
+        model.load_state_dict(now)
+        model.train()(torch.randn(4, 1, 2, 2, requires_grad=True)).sum().backward()
+        assert calls == [("state_dict", cls), ("load", cls), ("pre", cls), ("forward", cls), ("backward", cls)]
+        state = model.state_dict()
+    hook.remove()  # a handle taken before convert and revert still removes its hook
+    calls.clear()
+    model(torch.randn(4, 1, 2, 2))
+    assert ("forward", nn.BatchNorm2d) not in calls and ("pre", nn.BatchNorm2d) in calls
+
+
+def test_convert_rebinds_a_method_the_layer_holds_to_the_new_layer():
+    bn = nn.BatchNorm1d(2)
+    bn.original_forward = bn.forward  # e.g. a wrapper keeping the forward it wraps
+    out = accumnorm.convert(bn)
+    assert out.original_forward.__self__ is out

@@ -169,7 +169,10 @@ def test_missing_dataset_without_network_is_a_clear_error(tmp_path, monkeypatch)
     (dict(configs=("4-4",)), "expected BxK like 4x4, got '4-4'"),
     (dict(norms=("bn", "batchnorm")), "unknown norm 'batchnorm'"),
     (dict(norms=("gn3",)), r"norm 'gn3' does not fit the study's network: num_channels \(32\) must be divisible"),
-    (dict(lr=0.0), "lr must be > 0"),
+    (dict(lr=0.0), "lr must be a finite number > 0, got 0.0"),
+    (dict(lr=float("inf")), "lr must be a finite number > 0, got inf"),
+    (dict(eval_every=5000), r"eval_every \(5000\) is more than iterations \(3600\): no run would ever be evaluated"),
+    (dict(seed=-1), r"seed must be an int from 0 to 2\*\*64 - runs"),
 ])
 def test_bad_settings_fail_before_anything_is_written(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -221,7 +224,8 @@ def test_summary_says_in_one_sentence_what_bn_loses_and_bn_exact_recovers():
 
 
 def test_configs_whose_micro_batch_exceeds_the_training_set_are_refused_before_anything_runs(tmp_path):
-    settings = StudySettings(dataset="digits", norms=("none",), configs=("2x2", "2000x1"), runs=1, iterations=1)
+    settings = StudySettings(dataset="digits", norms=("none",), configs=("2x2", "2000x1"), runs=1, iterations=1,
+                             eval_every=1)
     with pytest.raises(ValueError, match=r"configs 2000x1 have micro-batches larger than the 1437 training samples "
                                          r"of digits: expected B <= 1437"):
         run_study(tmp_path / "out", settings, progress=False)

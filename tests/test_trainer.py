@@ -24,15 +24,7 @@ from models import NoisyDigits, small_net, vgg
 from programs.trainer_resume import KILL_IN_STEP, RESUME_STEPS
 
 PROGRAM = Path(__file__).parent / "programs" / "trainer_resume.py"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors run fastest on one thread, and much slower with two on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def read_metrics(directory: Path) -> list[dict]:

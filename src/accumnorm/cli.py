@@ -54,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from accumnorm.study import StudySettings, run_study
+    from accumnorm.study.settings import check_positive_int
 
     given = {k: v for k, v in vars(args).items() if v is not None}
     options = {**(QUICK if args.quick else {}), **given}
@@ -63,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             fields[key] = tuple(x.strip() for x in fields[key].split(",") if x.strip())
     out = options.get("out") or f"study-out/{'quick' if args.quick else fields.get('dataset', StudySettings.dataset)}"
     try:
-        if args.threads:
+        if args.threads is not None:
+            check_positive_int("threads", args.threads)
             torch.set_num_threads(args.threads)
         settings = StudySettings(**fields)
         run_study(out, settings, device=args.device, progress=not args.no_progress, workers=args.workers)

@@ -9,7 +9,7 @@ Whole-batch BatchNorm in training mode computes, per channel,
 with mean, var (biased) and both sums taken over all N values of the channel in the batch. Those
 four quantities are the only coupling between samples: SyncBatchNorm all-reduces them across GPUs,
 accumnorm reduces them across micro-batches (and ranks). Everything here works on one micro-batch
-and leaves the reducing to the caller (`accumnorm.accumulation`).
+and leaves the reducing to the caller (`accumnorm._engine.step`).
 
 Statistics and sums are kept in float32 (float64 for float64 inputs) whatever the input dtype, so
 that bf16/fp16 autocast never degrades them.

@@ -5,18 +5,23 @@ timm's get_norm_layer does), so a name validates before any channel count is kno
 builds the layer. Both read the one registry below; an unknown name lists the valid ones.
 `convert(model)` swaps torch's BatchNorm layers for accumnorm's in place, as
 `torch.nn.SyncBatchNorm.convert_sync_batchnorm` does: same Parameter and buffer objects (an optimizer
-built before still works), same child modules, same train/eval flag. `revert(model)` goes back.
+built before still works), same child modules, same train/eval flag, and, unlike it, the layer's hooks
+and the attributes set on it. `revert(model)` goes back.
 """
 from __future__ import annotations
 
+import inspect
 import re
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
+from types import MethodType
 from typing import Any
 
 import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.modules.module import _WrappedHook
 
 from .alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
 from .batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
@@ -107,19 +112,37 @@ def _rebuild(module: nn.Module, mapping: dict[type, type], memo: dict[int, nn.Mo
     cls = mapping.get(type(module))
     if cls is not None:
         out = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-        # The very same Parameter and buffer objects: optimizers and hooks that hold them stay valid.
-        out.weight, out.bias = module.weight, module.bias
-        out.running_mean, out.running_var = module.running_mean, module.running_var
-        out.num_batches_tracked = module.num_batches_tracked
-        out.train(module.training)
-        if hasattr(module, "qconfig"):
-            out.qconfig = module.qconfig
+        _carry_over(module, out)
     memo[id(module)] = out
     # Every slot, not named_children(), which skips a module's second slot; also carries timm's act and drop over.
     for name, child in list(module._modules.items()):
         if child is not None:
             out.add_module(name, _rebuild(child, mapping, memo))
     return out
+
+
+def _carry_over(old: nn.Module, new: nn.Module) -> None:
+    """Give `new` all that `old` holds but its class and children: the very same Parameter and buffer objects
+    (optimizers that hold them stay valid), its hooks of every kind (the same dicts: their handles still remove
+    them), its train flag and every attribute set on it (qconfig, a user's tag)."""
+    for name, value in vars(old).items():
+        if name in ("_parameters", "_buffers"):
+            getattr(new, name).update(value)
+        elif name.endswith("hooks"):  # _forward_hooks, _state_dict_pre_hooks...: the same dict, moved over
+            for key, hook in value.items():
+                value[key] = _rebound(hook, old, new)
+            new.__dict__[name] = value
+        elif name != "_modules":  # the children are rebuilt by the caller
+            new.__dict__[name] = _rebound(value, old, new)
+
+
+def _rebound(value: Any, old: nn.Module, new: nn.Module) -> Any:
+    """`value`, pointing at `new` where it pointed at `old`: a method bound to it, a hook given the module."""
+    if inspect.ismethod(value) and value.__self__ is old:
+        return MethodType(value.__func__, new)
+    if isinstance(value, _WrappedHook) and value.with_module and value.module() is old:
+        value.module = weakref.ref(new)  # register_load_state_dict_pre_hook's hooks hold their module weakly
+    return value
 
 
 def convert(module: nn.Module, types: type | Iterable[type] = ()) -> nn.Module:

@@ -47,7 +47,7 @@ from .data import OFFLINE, Dataset, load_dataset
 from .fused import fusable, use_ghost_batches
 from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 from .report import write_report
-from .settings import StudySettings, parse_config
+from .settings import StudySettings, check_positive_int, parse_config
 
 __all__ = ["run_study", "data_order", "evaluate", "Task", "eval_batch"]
 
@@ -78,7 +78,8 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
               progress: bool = True, workers: int | None = None) -> Path:
     """Run (or resume) the grid of `settings` into `out`; write the reports; return `out`.
 
-    Runs already in out/results.csv are skipped. A cell that cannot run (e.g. torch's BatchNorm
+    Runs already in out/results.csv are skipped (rows of it that cannot be read are skipped with a warning, and
+    their runs trained again). A cell that cannot run (e.g. torch's BatchNorm
     at micro-batch 1 where a feature map is 1x1) is reported with its reason and the grid goes on.
     `workers`: processes training cells in parallel on a CPU, each with torch.get_num_threads() //
     workers threads (default: one per thread of that budget, at most one per pending task); 1
@@ -87,8 +88,8 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     settings = settings or StudySettings()
     out = Path(out)
     device = _device(device)
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if workers is not None:
+        check_positive_int("workers", workers)
     offline = settings.dataset in OFFLINE or settings.data_dir is None
     data_dir = None if offline else str(Path(settings.data_dir).resolve())
     settings = dataclasses.replace(settings, data_dir=data_dir)
@@ -97,8 +98,10 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     _check_configs(settings, len(data.train_x))
     store.open_out(out, settings.to_json())
 
-    done = {(r["norm"], r["batch_size"], r["num_accum"], r["run"]) for r in store.read_results(out)}
     cells = [(name, *parse_config(c)) for name in settings.norms for c in settings.configs]
+    runs = {(name, b, k, r) for name, b, k in cells for r in range(settings.runs)}
+    rows = store.read_whole_runs(out, runs, range(settings.eval_every, settings.iterations + 1, settings.eval_every))
+    done = {store.run_key(r) for r in rows}
     tasks = []
     for name, b, k in cells:
         pending = tuple(r for r in range(settings.runs) if (name, b, k, r) not in done)
@@ -115,9 +118,10 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
         if isinstance(outcome, str):
             failures[task[:3]] = outcome
         else:
-            store.append_results(out, outcome)
+            rows += outcome
+            store.write_results(out, rows)
     bar.close()
-    write_report(out, settings, store.read_results(out), failures, device=str(device), workers=workers, threads=threads)
+    write_report(out, settings, rows, failures, device=str(device), workers=workers, threads=threads)
     return out
 
 

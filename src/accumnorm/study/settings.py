@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,12 @@ def parse_config(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def check_positive_int(name: str, value: Any) -> None:
+    """The one check of every count the study takes (runs, iterations, eval_every, workers, threads)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
 @dataclass(frozen=True)
 class StudySettings:
     """What a study measures; saved as settings.json next to its results."""
@@ -37,15 +44,19 @@ class StudySettings:
 
     def __post_init__(self) -> None:
         for name in ("runs", "iterations", "eval_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, getattr(self, name))
+        if self.eval_every > self.iterations:
+            raise ValueError(f"eval_every ({self.eval_every}) is more than iterations ({self.iterations}): no run "
+                             "would ever be evaluated, so none would write a result; expected eval_every <= iterations")
         if not self.norms or not self.configs:
             raise ValueError(
                 f"need at least one norm and one config, got norms={self.norms!r} configs={self.configs!r}"
             )
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 2**64 - self.runs:
+            raise ValueError(f"seed must be an int from 0 to 2**64 - runs (run r is seeded with seed + r), "
+                             f"got {self.seed!r}")
         for name in self.norms:
             build = norm_fn(name)  # unknown names fail here, before any file is written
             try:  # and so does a norm that cannot fit the study's widths (gn3); built on meta: no memory
