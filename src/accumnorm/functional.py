@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["Moments", "moments", "combine_moments", "stack_moments", "update_running_stats_", "GradSums", "normalize",
-           "normalize_joint", "normalize_with"]
+           "normalize_with", "Joint", "join", "normalize_piece", "normalize_joint"]
 
 
 def _channel_shape(x: Tensor) -> list[int]:
@@ -66,11 +66,9 @@ class Moments:
 def moments(x: Tensor) -> Moments:
     """Per-channel moments of x = (N, C, *) over every dimension but the channel one."""
     xa = x if x.dtype in (torch.float32, torch.float64) else x.float()
-    # torch's training-mode kernel takes the statistics in two passes (mean, then squared deviations: no
-    # cancellation) and without full-size temporaries; its normalized output is not used. eps=0 makes
-    # invstd 1/sqrt(var) exactly, and 0 for a constant channel.
-    _, mean, invstd = torch.ops.aten.native_batch_norm(xa, None, None, None, None, True, 0.0, 0.0)
-    var = torch.where(invstd > 0, invstd.reciprocal().square(), 0.0)
+    # torch's own BatchNorm statistics kernel: two passes (mean, then squared deviations: no cancellation), no
+    # full-size temporary, no output written; the variance is the biased one.
+    mean, var = torch.batch_norm_update_stats(xa, None, None, 0.0)
     n = x.numel() // x.shape[1]
     # new_full launches a fill on the device; torch.tensor(n, device=...) would be a blocking copy
     return Moments(mean.new_full((), n), mean, var * n)
@@ -185,59 +183,109 @@ def normalize(
     return _Normalize.apply(x, weight, bias, mean, var, eps, sums)
 
 
-class _NormalizeJoint(torch.autograd.Function):
-    """BatchNorm of K micro-batches with their joint statistics, as one autograd node.
+class Joint:
+    """One BatchNorm call of the whole batch, made of K micro-batch pieces: its statistics, and its backward sums.
 
-    One node for all K means autograd calls its backward once every micro-batch's dy is known: the
-    exact backward needs sum(dy) and sum(dy * x_hat) over the whole batch before any dx.
+    The pieces are normalized one at a time (`normalize_piece`), each when its micro-batch goes on, so that
+    what follows reads it while it is fresh in cache; their backward adds sum(dy) and sum(dy * x_hat) here,
+    and `join`'s node, which autograd runs once all K are in, turns them into the exact input gradients and
+    the weight's and bias's.
+    """
+
+    def __init__(self, stats: Moments, weight: Tensor | None, bias: Tensor | None, eps: float,
+                 reduce_sums: Callable[[Tensor], Tensor]) -> None:
+        self.stats, self.weight, self.bias, self.eps, self.reduce_sums = stats, weight, bias, eps, reduce_sums
+        self.sums: list[Tensor] = []  # each piece's (sum(dy * x_hat), sum(dy)), in the statistics' dtype
+
+
+class _Join(torch.autograd.Function):
+    """The K inputs of one BatchNorm call, passed on as they are; its backward makes their exact gradients.
+
+    Each output feeds one `_Piece`, whose backward hands on the gradient at its own output, dy, unchanged:
+    one node for all K means autograd calls this backward once every micro-batch's dy is known, as the
+    exact backward needs the whole batch's sums before any dx. The weight and bias are inputs here, not of
+    the pieces: their gradients are those sums, given once.
     """
 
     @staticmethod
-    def forward(ctx, weight, bias, mean, var, eps, count, reduce_sums, *xs):  # type: ignore[override]
-        ctx.save_for_backward(weight, mean, var, *xs)
-        ctx.eps, ctx.count, ctx.reduce_sums = eps, count, reduce_sums
-        return tuple(normalize_with(x, mean, var, weight, bias, eps) for x in xs)
+    def forward(ctx, joint, weight, bias, *xs):  # type: ignore[override]
+        ctx.save_for_backward(*xs)
+        ctx.joint = joint
+        return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *dys):  # type: ignore[override]
-        weight, mean, var, *xs = ctx.saved_tensors
-        sum_dy, sum_dy_xhat = torch.zeros_like(mean), torch.zeros_like(mean)
-        for x, dy in zip(xs, dys):
-            # torch's eval-mode BatchNorm backward gives exactly these sums as its weight and bias
-            # gradients (in the statistics' dtype), in one native call.
-            _, dw, db = torch.ops.aten.native_batch_norm_backward(
-                dy, x, None, mean, var, None, None, False, ctx.eps, [False, True, True])
-            sum_dy_xhat += dw
-            sum_dy += db
-        # The parameter gradients are this rank's share (the step all-reduces gradients once); the
-        # input gradients need the sums of every rank.
-        grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[0] else None
-        grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        sum_dy, sum_dy_xhat = ctx.reduce_sums(torch.cat([sum_dy, sum_dy_xhat])).chunk(2)
+        joint: Joint = ctx.joint
+        stats, weight, eps = joint.stats, joint.weight, joint.eps
+        local = torch.stack(joint.sums).sum(0) if joint.sums else torch.zeros(2, *stats.mean.shape).to(stats.mean)
+        grad_w = local[0].to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = local[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        # The parameter gradients are this rank's share (the step all-reduces gradients once); the input
+        # gradients need the sums of every rank.
+        sum_dy_xhat, sum_dy = joint.reduce_sums(local.flatten()).view(2, -1)
         # dx = scale * (dy - (sum_dy + x_hat * sum_dy_xhat) / N), x_hat = (x - mean) * invstd, as
         # dy * scale + x * slope + offset, per channel.
-        invstd = torch.rsqrt(var + ctx.eps)
-        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-        slope = -scale * invstd * sum_dy_xhat / ctx.count
-        offset = -scale * sum_dy / ctx.count - slope * mean  # folds (x - mean) * slope: no full-size temporary
+        invstd = torch.rsqrt(stats.var + eps)
+        scale = invstd if weight is None else invstd * weight.detach().to(invstd.dtype)
+        slope = -scale * invstd * sum_dy_xhat / stats.count
+        offset = -scale * sum_dy / stats.count - slope * stats.mean  # folds (x - mean) * slope
         dxs = []
-        for i, (x, dy) in enumerate(zip(xs, dys)):
-            if not ctx.needs_input_grad[7 + i]:
+        for i, (x, dy) in enumerate(zip(ctx.saved_tensors, dys)):
+            if not ctx.needs_input_grad[3 + i]:
                 dxs.append(None)
                 continue
             shape = _channel_shape(x)
             dx = torch.addcmul(offset.view(shape), x, slope.view(shape))
-            dxs.append(dx.addcmul_(dy, scale.view(shape)).to(x.dtype))
-        return (grad_w, grad_b, None, None, None, None, None, *dxs)
+            if dy is not None:
+                dx.addcmul_(dy, scale.view(shape))
+            dxs.append(dx.to(x.dtype))
+        return (None, grad_w, grad_b, *dxs)
+
+
+class _Piece(torch.autograd.Function):
+    """One micro-batch's piece of a joint BatchNorm call: normalized with the whole batch's statistics.
+
+    Its backward adds the piece's share of sum(dy) and sum(dy * x_hat) to the `Joint` and hands dy on to
+    `_Join`, which alone can make the input's gradient (and the weight's and bias's, once for all pieces).
+    """
+
+    @staticmethod
+    def forward(ctx, x, joint):  # type: ignore[override]
+        stats = joint.stats
+        ctx.save_for_backward(x)
+        ctx.joint = joint
+        return normalize_with(x, stats.mean, stats.var, joint.weight, joint.bias, joint.eps)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):  # type: ignore[override]
+        (x,), joint = ctx.saved_tensors, ctx.joint
+        # torch's eval-mode BatchNorm backward gives exactly these sums as its weight and bias gradients, in the
+        # statistics' dtype, in one native call.
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, x, None, joint.stats.mean, joint.stats.var, None, None, False, joint.eps, [False, True, True])
+        joint.sums.append(torch.stack([sum_dy_xhat, sum_dy]))
+        return dy, None
+
+
+def join(xs: list[Tensor], joint: Joint) -> tuple[Tensor, ...]:
+    """The K pieces' inputs, tied to one node that makes their exact input gradients (see `Joint`)."""
+    return _Join.apply(joint, joint.weight, joint.bias, *xs)
+
+
+def normalize_piece(joined: Tensor, joint: Joint) -> Tensor:
+    """One micro-batch's output of a joint BatchNorm call, from its output of `join`."""
+    return _Piece.apply(joined, joint)
 
 
 def normalize_joint(
     xs: list[Tensor], stats: Moments, weight: Tensor | None, bias: Tensor | None, eps: float,
     reduce_sums: Callable[[Tensor], Tensor] = lambda t: t,
-) -> tuple[Tensor, ...]:
+) -> list[Tensor]:
     """BatchNorm of each micro-batch in `xs` with the whole batch's `stats`, back-propagating as one batch.
 
     `reduce_sums` sums the backward's per-channel sums over other ranks (identity on one process).
     """
-    return _NormalizeJoint.apply(weight, bias, stats.mean, stats.var, eps, stats.count, reduce_sums, *xs)
+    joint = Joint(stats, weight, bias, eps, reduce_sums)
+    return [normalize_piece(x, joint) for x in join(xs, joint)]

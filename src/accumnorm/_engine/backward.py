@@ -147,6 +147,7 @@ def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None,
     except torch.OutOfMemoryError as e:
         if schedule == "layerwise":
             raise
+        _refuse_unseen_batch_norms(new_step().model, "passes")
         transaction.rollback()
         transaction.begin()
         warnings.warn(f"accumnorm.backward: the layerwise schedule ran out of memory ({e}); using the passes "

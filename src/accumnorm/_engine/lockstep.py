@@ -29,16 +29,13 @@ import greenlet
 import torch
 from torch import Tensor
 
+from ..functional import moments, normalize_piece
 from .calls import BNCall, INCall
 from .step import Step
 from .store import Store
 from .threadstate import ThreadState
 
 __all__ = ["layerwise"]
-
-
-def _same(t: Tensor) -> Tensor:
-    return t
 
 
 class _Lockstep:
@@ -53,9 +50,8 @@ class _Lockstep:
         self.base: ThreadState | None = None  # the driver's state, which every coroutine returns to when it pauses
 
     def run(self) -> None:
-        with self.step.norm_calls(self._batch_norm, self._instance_norm):
-            with self.store.hooks() if self.store is not None else nullcontext():
-                roots = self._forwards()
+        with self.store.hooks() if self.store is not None else nullcontext():
+            roots = self._forwards()
         if roots:
             # One backward over every micro-batch: the joint nodes need all K gradients at once.
             torch.autograd.backward(roots)
@@ -75,9 +71,9 @@ class _Lockstep:
                 calls = [end if isinstance(end, BNCall) else None for end in ends]
                 if None in calls:
                     step.check_same(calls, index)  # raises: not all at a BatchNorm call
-                outputs = step.meet(calls, index)
+                joined, joint = step.meet(calls, index)
                 index += 1
-                ends = [self._resume(k, out) for k, out in zip(k_all, outputs)]
+                ends = [self._resume(k, (x, joint)) for k, x in zip(k_all, joined)]
         except BaseException:
             self._abort()
             raise
@@ -95,8 +91,12 @@ class _Lockstep:
         return roots
 
     def _forward(self, k: int) -> Tensor:
-        """The body of micro-batch k's coroutine: its loss_fn (which pauses at each BatchNorm call)."""
-        loss = self.step.loss(k)
+        """The body of micro-batch k's coroutine: its loss_fn (which pauses at each BatchNorm call).
+
+        The mode that sends BatchNorm calls here is the coroutines' own: the driver's work runs without it.
+        """
+        with self.step.norm_calls(self._batch_norm, self._instance_norm):
+            loss = self.step.loss(k)
         self.step.losses[k] = loss.detach()
         return loss
 
@@ -118,22 +118,21 @@ class _Lockstep:
         return end
 
     def _batch_norm(self, call: BNCall) -> Tensor:
-        """A BatchNorm call of a micro-batch's forward: pause until all K are at it."""
+        """A BatchNorm call of a micro-batch's forward: pause until all K are at it, then normalize this piece."""
         if self.current is None:
             raise RuntimeError(f"bn='exact' met a BatchNorm call outside the micro-batches' forwards "
                                f"({self.step.describe(call)})")
-        self.step.regions.enter_forward_call(lambda x: self._recompute(call, x))
+        with torch.no_grad():  # while the input is fresh in cache
+            call.moments = moments(call.input)
         own = ThreadState.capture()
         try:
             self.base.apply(own)
-            return self.driver.switch(call)  # the driver switches back with this micro-batch's piece
+            joined, joint = self.driver.switch(call)  # the driver comes back once all K have met
         finally:
             own.apply(ThreadState.capture())
-
-    def _recompute(self, call: BNCall, x: Tensor) -> Tensor:
-        # The joint node computed the forward's output outside the region: it saves nothing in the region's place.
-        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-            return self.step.recompute(call, call.stats)(x)
+        # In a checkpointed region the piece saves its input in the region's place; its recomputation does again.
+        self.step.regions.enter_forward_call(lambda x: normalize_piece(x, joint))
+        return normalize_piece(joined, joint)
 
     def _instance_norm(self, call: INCall) -> Tensor:
         k = self.current

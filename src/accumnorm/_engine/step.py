@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..distributed import Collectives
-from ..functional import Moments, moments, normalize_joint, normalize_with, stack_moments, update_running_stats_
+from ..functional import Joint, Moments, join, stack_moments, update_running_stats_
 from .calls import BNCall, INCall, NormCalls, describe
 from .checkpoint import Regions
 from .rng import StepRng
@@ -88,18 +88,17 @@ class Step:
         return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
 
     # ---------------------------------------------------------------- the round protocol
-    def meet(self, calls: Sequence[BNCall], index: int) -> list[Tensor]:
-        """The K micro-batches' pieces of BatchNorm call `index`, normalized with the whole batch's statistics by
-        one autograd node (its backward runs once every piece's gradient is known: it needs their sums)."""
+    def meet(self, calls: Sequence[BNCall], index: int) -> tuple[list[Tensor], Joint]:
+        """The K micro-batches' pieces of BatchNorm call `index` (each with its `moments`), joined into one call of
+        the whole batch: its statistics over every micro-batch and rank, and one autograd node whose backward
+        runs once every piece's gradient is known (it needs their sums). Each piece is then normalized by
+        `functional.normalize_piece(joined[k], joint)`."""
         self.check_same(calls, index)
-        with torch.no_grad():
-            stats = self.joint_moments([moments(c.input) for c in calls])
-        for call in calls:
-            call.stats = stats
+        stats = self.joint_moments([c.moments for c in calls])
         first = self.record(calls[0], stats)
+        joint = Joint(stats, first.weight, first.bias, first.eps, self.collectives.sum_)
         with first.modes.entered():
-            return list(normalize_joint([c.input for c in calls], stats, first.weight, first.bias, first.eps,
-                                        self.collectives.sum_))
+            return list(join([c.input for c in calls], joint)), joint
 
     def check_same(self, calls: Sequence[BNCall | None], index: int, micro_batches: Sequence[int] | None = None,
                    grad_mode: bool = True) -> None:
@@ -130,10 +129,6 @@ class Step:
                 "once per step nor restore them on an error. Make the layer part of the model")
         self.batch_norms.append((call, stats))
         return call
-
-    def recompute(self, call: BNCall, stats: Moments) -> Callable[[Tensor], Tensor]:
-        """How a checkpointed region's recomputation gives this call's output again: the same statistics."""
-        return lambda x: normalize_with(x, stats.mean, stats.var, call.weight, call.bias, call.eps)
 
     def instance_norm(self, call: INCall, index: int) -> None:
         """Add micro-batch's piece of InstanceNorm call `index` (in its forward) to the whole batch's statistics."""

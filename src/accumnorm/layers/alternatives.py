@@ -132,6 +132,15 @@ class BatchRenorm2d(_ChannelNorm):
         self.r_max, self.d_max, self.warmup, self.r_max_at, self.d_max_at = r_max, d_max, warmup, r_max_at, d_max_at
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
 
+    def accumnorm_exact_refusal(self, schedule: str) -> str | None:
+        """Why `accumnorm.backward(bn="exact")` cannot make this layer exact: r and d need each batch's statistics."""
+        if not self.training:
+            return None
+        return ("Batch Renormalization corrects the statistics of the batch it sees (its r and d, from its own "
+                "var_mean) towards the running ones; bn='exact' cannot give those computations the whole batch. "
+                "Train it with bn='micro' (Batch Renormalization is itself an answer to small micro-batches), "
+                "or use BatchNorm2d with bn='exact' for the whole batch's statistics")
+
     def bounds(self) -> tuple[float, float]:
         """(r_max, d_max) now, from the number of training forwards so far."""
         t = int(self.num_batches_tracked)
@@ -222,6 +231,13 @@ class StaleBatchNorm2d(_ChannelNorm):
             self.step_count.fill_(total)
         # Eval-mode batch_norm: normalize with given statistics, no gradient through them.
         return F.batch_norm(x, self.stale_mean, self.stale_var, self.weight, self.bias, False, 0.0, self.eps)
+
+    def accumnorm_exact_refusal(self, schedule: str) -> str | None:
+        """Under passes each micro-batch's forward runs 2L + 1 times: this layer would add its moments as often."""
+        if self.training and schedule == "passes":
+            return ("it adds the moments of every forward it sees, and the passes schedule runs each micro-batch's "
+                    "forward 2L + 1 times; use schedule='layerwise' or bn='micro'")
+        return None
 
     @torch.no_grad()
     def accumnorm_step_end(self) -> None:
