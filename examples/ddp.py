@@ -59,7 +59,8 @@ def conv_net(channels=(32, 64, 128, 256)) -> nn.Module:
     """The study's SimpleModel with BatchNorm: conv-BN-ReLU blocks, max-pool between, global pool, linear."""
     layers, prev = [], 1
     for i, c in enumerate(channels):
-        layers += [nn.Conv2d(prev, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()]
+        # no conv bias: BatchNorm right after subtracts it again (its true gradient is 0, its computed one rounding)
+        layers += [nn.Conv2d(prev, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU()]
         layers += [nn.MaxPool2d(2)] if i < len(channels) - 1 else []
         prev = c
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(prev, 10))

@@ -223,7 +223,7 @@ class _Join(torch.autograd.Function):
         grad_b = local[1].to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
         # The parameter gradients are this rank's share (the step all-reduces gradients once); the input
         # gradients need the sums of every rank.
-        sum_dy_xhat, sum_dy = joint.reduce_sums(local.flatten()).view(2, -1)
+        sum_dy_xhat, sum_dy = joint.reduce_sums(local.flatten().clone()).view(2, -1)  # in place: not the grads
         # dx = scale * (dy - (sum_dy + x_hat * sum_dy_xhat) / N), x_hat = (x - mean) * invstd, as
         # dy * scale + x * slope + offset, per channel.
         invstd = torch.rsqrt(stats.var + eps)

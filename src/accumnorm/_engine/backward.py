@@ -22,12 +22,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..distributed import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
+from .interrupts import SigintDeferred
 from .lockstep import layerwise
 from .passes import passes
 from .plain import plain
 from .rng import StepRng
 from .step import LossFn, Step
 from .store import Store, resolve_store, store_for
+from .threadstate import ThreadState
 from .transaction import Transaction
 
 __all__ = ["backward"]
@@ -105,13 +107,20 @@ def backward(
     weights = [n / total for n in sizes]
 
     with _STEP_LOCK:
+        # Copies only, until the try: an interrupt before it changes nothing.
+        caller = ThreadState.capture()
         transaction = Transaction(model)
         rng = StepRng(len(micro_batches), sorted({d.index for d in _cuda_devices(model)}))
-        tracked_before = {m: m.num_batches_tracked.clone() for m in model.modules()
-                          if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None}
+        interrupts = SigintDeferred()
         try:
+            interrupts.start()
+            transaction.begin()
+            rng.start()
+            tracked_before = {m: m.num_batches_tracked.clone() for m in model.modules()
+                              if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None}
+
             def new_step() -> Step:
-                return Step(model, micro_batches, weights, loss_fn, collectives, grad_scaler, rng)
+                return Step(model, micro_batches, weights, loss_fn, collectives, grad_scaler, rng, interrupts)
 
             with _sync_batch_norm_as_local(model) if exact else nullcontext():
                 step = (_run_exact(new_step, schedule, store_for(store_device, device), transaction) if exact
@@ -125,11 +134,17 @@ def backward(
                 if hasattr(m, "accumnorm_step_end"):
                     m.accumnorm_step_end()
             transaction.commit()
+            rng.close(failed=False)
+            interrupts.close()  # a Ctrl-C that came during the step is raised here, and undoes it
         except BaseException:
             transaction.rollback()
             rng.close(failed=True)
             raise
-        rng.close(failed=False)
+        finally:
+            try:
+                interrupts.close()
+            finally:  # whatever ended the step, the caller's thread is as it was: grad mode, autocast, modes, hooks
+                caller.apply(ThreadState.capture())
     return loss
 
 

@@ -55,6 +55,7 @@ class _Lockstep:
         if roots:
             # One backward over every micro-batch: the joint nodes need all K gradients at once.
             torch.autograd.backward(roots)
+            self.step.interrupts.check()
 
     def _forwards(self) -> list[Tensor]:
         """Run the K forwards in lockstep to their losses; the weighted losses still to back-propagate."""
@@ -115,6 +116,7 @@ class _Lockstep:
             self.current = None
         if not isinstance(end, BNCall):  # the forward is over: whatever it left of its state goes
             self.base.apply(ThreadState.capture())
+        self.step.interrupts.check()
         return end
 
     def _batch_norm(self, call: BNCall) -> Tensor:

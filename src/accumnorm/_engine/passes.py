@@ -122,6 +122,7 @@ class _Passes:
                 yield k
             finally:
                 self.step.rng.end(k)
+            self.step.interrupts.check()
 
     def _forward(self, k: int) -> Tensor | None:
         """loss_fn on micro-batch k; None if a truncated pass stopped it at its target call."""

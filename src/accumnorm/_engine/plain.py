@@ -16,3 +16,4 @@ def plain(step: Step) -> None:
             step.rng.end(k)
         step.losses[k] = loss.detach()
         step.weighted(loss, k).backward()
+        step.interrupts.check()

@@ -31,19 +31,23 @@ def _splitmix64(x: int) -> int:
 class StepRng:
     """The random streams of one step's K micro-batches over the CPU and the given CUDA devices.
 
-    `begin(k)` makes micro-batch k's stream current (from its start, or from where `end(k)` left it;
-    `restart=True`: from its start again, for a schedule that replays the micro-batch); `close()` gives
-    the caller's state back: one draw on, or as it was before the step if the step failed.
+    `start()` draws the seeds; `begin(k)` makes micro-batch k's stream current (from its start, or from where
+    `end(k)` left it; `restart=True`: from its start again, for a schedule that replays the micro-batch);
+    `close()` gives the caller's state back: one draw on, or as it was before the step if the step failed.
     """
 
     def __init__(self, num_micro_batches: int, cuda_devices: list[int]) -> None:
         self.generators = [torch.default_generator] + [torch.cuda.default_generators[d] for d in cuda_devices]
         self.before = [g.get_state() for g in self.generators]
-        # The one draw from the caller's stream; the DataLoader draws its base seed the same way.
+        self.after = self.before
+        self.seeds: list[int] = []
+        self.states: list[list[torch.Tensor] | None] = [None] * num_micro_batches
+
+    def start(self) -> None:
+        """The one draw from the caller's stream (the DataLoader draws its base seed the same way), and the seeds."""
         base = int(torch.empty((), dtype=torch.int64).random_(generator=torch.default_generator))
         self.after = [g.get_state() for g in self.generators]
-        self.seeds = [_splitmix64(base + k) for k in range(num_micro_batches)]
-        self.states: list[list[torch.Tensor] | None] = [None] * num_micro_batches
+        self.seeds = [_splitmix64(base + k) for k in range(len(self.states))]
 
     def begin(self, k: int, restart: bool = False) -> None:
         state = None if restart else self.states[k]

@@ -24,6 +24,7 @@ from ..distributed import Collectives
 from ..functional import Joint, Moments, join, stack_moments, update_running_stats_
 from .calls import BNCall, INCall, NormCalls, describe
 from .checkpoint import Regions
+from .interrupts import SigintDeferred
 from .rng import StepRng
 
 __all__ = ["Step", "LossFn"]
@@ -49,9 +50,11 @@ class Step:
     """
 
     def __init__(self, model: nn.Module, micro_batches: list[Any], weights: list[float], loss_fn: LossFn,
-                 collectives: Collectives, grad_scaler: torch.amp.GradScaler | None, rng: StepRng) -> None:
+                 collectives: Collectives, grad_scaler: torch.amp.GradScaler | None, rng: StepRng,
+                 interrupts: SigintDeferred) -> None:
         self.model, self.micro_batches, self.weights, self.loss_fn = model, micro_batches, weights, loss_fn
         self.collectives, self.grad_scaler, self.rng = collectives, grad_scaler, rng
+        self.interrupts = interrupts  # a schedule calls interrupts.check() at each of its safe points
         # Each buffer's module: a call's running statistics name the layer it belongs to.
         self.owners = {id(b): m for m in model.modules() for b in m._buffers.values() if b is not None}
         self.seen: Counter[nn.Module] = Counter()  # batch-statistics calls the schedule saw, per owning module

@@ -95,7 +95,18 @@ class ThreadState:
         return replace(self, modes=modes)
 
     def apply(self, current: ThreadState) -> None:
-        """Make this the thread's state; `current` is the state the thread is in now (a fresh capture)."""
+        """Make this the thread's state; `current` is the state the thread is in now (a fresh capture).
+
+        An interrupt (Ctrl-C) in the middle does not leave the thread half-switched: the switch is finished, from
+        wherever it stopped, before the interrupt goes on.
+        """
+        try:
+            self._apply(current)
+        except BaseException:
+            self._apply(ThreadState.capture())
+            raise
+
+    def _apply(self, current: ThreadState) -> None:
         self.modes.apply(current.modes)
         if self.function_modes != current.function_modes:
             while _C._len_torch_function_stack():
@@ -130,15 +141,18 @@ class ThreadState:
 
 
 def saved_tensor_hooks() -> tuple[tuple[Any, Any], ...]:
-    """The thread's stack of default saved-tensor hooks, bottom to top (torch exposes only its top)."""
+    """The thread's stack of default saved-tensor hooks, bottom to top (torch exposes only its top: the stack is
+    read by popping it, and pushed back whatever interrupts the reading)."""
     popped = []
-    top = _C._autograd._top_saved_tensors_default_hooks(False)
-    while top is not None:
-        popped.append(top)
-        _C._autograd._pop_saved_tensors_default_hooks()
+    try:
         top = _C._autograd._top_saved_tensors_default_hooks(False)
-    for pack, unpack in reversed(popped):
-        _C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+        while top is not None:
+            _C._autograd._pop_saved_tensors_default_hooks()
+            popped.append(top)
+            top = _C._autograd._top_saved_tensors_default_hooks(False)
+    finally:
+        for pack, unpack in reversed(popped):
+            _C._autograd._push_saved_tensors_default_hooks(pack, unpack)
     return tuple(reversed(popped))
 
 

@@ -25,7 +25,6 @@ class Transaction:
         # replace it by another tensor; both are undone.
         self.buffers = [(m, name, b, b.clone()) for m in model.modules() for name, b in m._buffers.items()
                         if b is not None and not is_lazy(b)]
-        self.begin()
 
     def begin(self) -> None:
         """Set the caller's gradients aside: the step accumulates into fresh ones."""

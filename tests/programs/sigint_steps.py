@@ -1,0 +1,132 @@
+"""Real SIGINTs at random moments of accumnorm.backward steps: after each, the model is either as it was (the step
+was interrupted and rolled back) or as the uninterrupted step leaves it, and nothing of the step is alive.
+
+    python tests/programs/sigint_steps.py --tries 40     # prints one line per path, exits 1 on any violation
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import greenlet
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import accumnorm
+
+PATHS = {"layerwise": dict(schedule="layerwise"), "passes": dict(schedule="passes"), "micro": dict(bn="micro")}
+
+
+class Net(nn.Module):
+    """BatchNorm in and out of a checkpointed region, dropout, an InstanceNorm with running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh(), nn.Dropout(0.2))
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh(),
+                                   nn.InstanceNorm2d(8, track_running_stats=True))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 8 * 8, 10), nn.BatchNorm1d(10))
+
+    def forward(self, x):
+        x = self.stem(x)
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def state(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in (*(p.grad for p in model.parameters()), *model.buffers())]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def live_coroutines() -> int:
+    gc.collect()
+    return sum(issubclass(type(o), greenlet.greenlet) and not o.dead and o is not greenlet.getcurrent()
+               for o in gc.get_objects())
+
+
+def run_path(name: str, kwargs: dict, tries: int, rng: random.Random) -> list[str]:
+    torch.manual_seed(0)
+    model, batch = Net(), (torch.randn(12, 1, 8, 8), torch.randint(0, 10, (12,)))
+    accumnorm.backward(model, batch, loss_fn, micro_batch_size=3, **kwargs)  # gradients and statistics to keep
+    before, rng_before = state(model), torch.random.get_rng_state()
+    done = copy.deepcopy(model)  # deepcopy leaves .grad behind
+    for p, q in zip(model.parameters(), done.parameters()):
+        q.grad = p.grad.clone()
+    start = time.perf_counter()
+    accumnorm.backward(done, batch, loss_fn, micro_batch_size=3, **kwargs)
+    step_s = time.perf_counter() - start
+    torch.random.set_rng_state(rng_before)
+    after, rng_after = state(done), None
+    problems, interrupted, rolled_back = [], 0, 0
+    for i in range(tries):
+        torch.random.set_rng_state(rng_before)
+        fire = threading.Timer(rng.uniform(0, 1.2 * step_s), lambda: os.kill(os.getpid(), signal.SIGINT))
+        try:
+            try:
+                fire.start()
+                accumnorm.backward(model, batch, loss_fn, micro_batch_size=3, **kwargs)
+            finally:
+                fire.join()
+                time.sleep(0.002)  # a signal sent just now is delivered here, if not before
+        except KeyboardInterrupt:
+            interrupted += 1
+        except Exception as e:  # an interrupt must come out as itself
+            problems.append(f"{name} try {i}: the interrupt came out as {type(e).__name__}: {e}")
+        now = state(model)
+        if rng_after is None and same(now, after):
+            rng_after = torch.random.get_rng_state()
+        rolled_back += same(now, before)
+        if not (same(now, before) or same(now, after)):
+            names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+            differ = [n for n, x, y, z in zip(names, now, before, after)
+                      if not (torch.equal(x, y) or torch.equal(x, z))]
+            problems.append(f"{name} try {i}: the model is neither as it was nor as the step leaves it: {differ[:4]}")
+        if live_coroutines():
+            problems.append(f"{name} try {i}: a coroutine of the step is still alive")
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        thread_state = (torch.is_grad_enabled(), torch._C._len_torch_function_stack(),
+                        torch._C._len_torch_dispatch_stack(), hooks)
+        if thread_state != (True, 0, 0, None):
+            problems.append(f"{name} try {i}: the thread's torch state changed: grad mode, function modes, "
+                            f"dispatch modes, saved-tensor hooks = {thread_state}")
+            return problems
+        # Back to the starting point for the next try.
+        with torch.no_grad():
+            for t, saved in zip((*(p.grad for p in model.parameters()), *model.buffers()), before):
+                t.copy_(saved)
+    print(f"{name}: {tries} tries, {interrupted} interrupted ({rolled_back} during the step, rolled back), "
+          f"{len(problems)} problems", flush=True)
+    return problems
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tries", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rng = random.Random(args.seed)
+    problems = [msg for name, kwargs in PATHS.items() for msg in run_path(name, kwargs, args.tries, rng)]
+    for msg in problems[:20]:
+        print(msg)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
