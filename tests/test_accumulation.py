@@ -252,6 +252,10 @@ def primed():
     ({"micro_batch_size": 2.0}, TypeError, "micro_batch_size must be an int, got float"),
     ({"micro_batch_size": True}, TypeError, "micro_batch_size must be an int, got bool"),
     ({"micro_batch_size": 2, "bn": "sync"}, ValueError, r"bn must be one of \('exact', 'micro'\), got 'sync'"),
+    ({"micro_batch_size": 2, "grad_scaler": "yes"}, TypeError, r"grad_scaler must be a torch.amp.GradScaler or None, "
+                                                               r"got str 'yes'"),
+    ({"micro_batch_size": 2, "process_group": "world"}, TypeError, r"process_group must be a "
+                                                                   r"torch.distributed.ProcessGroup or None, got str"),
 ])
 def test_bad_arguments(primed, kwargs, exc, match):
     model, batch, snap = primed
@@ -282,6 +286,46 @@ def test_non_scalar_loss(primed, bn):
     with pytest.raises(ValueError, match=r"scalar \(0-dim\) Tensor, got shape \(2,\) for micro-batch 0"):
         accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn)
     assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+@pytest.mark.parametrize("make,exc,match", [
+    (lambda loss: loss.detach(), ValueError, "loss for micro-batch 0 does not require grad: it is detached"),
+    (lambda loss: torch.tensor(1), TypeError, "floating-point loss, got torch.int64 for micro-batch 0"),
+    (lambda loss: loss * (1 + 1j), TypeError, "floating-point loss, got torch.complex64 for micro-batch 0"),
+])
+def test_a_loss_that_cannot_be_back_propagated(primed, bn, make, exc, match):
+    model, batch, snap = primed
+    with pytest.raises(exc, match=match):
+        accumnorm.backward(model, batch, lambda m, b: make(ce_loss(m, b)), micro_batch_size=2, bn=bn)
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_backward_under_no_grad_or_inference_mode_is_refused(primed, mode):
+    model, batch, snap = primed
+    with mode(), pytest.raises(ValueError, match=r"accumnorm.backward computes gradients: it cannot run under"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_a_failed_step_leaves_lazy_layers_lazy(schedule, bn):
+    """The first forward materializes lazy layers; a step that fails afterwards gives them back unmaterialized,
+    hooks and all, and the next step materializes them again."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), accumnorm.BatchNorm2d(), nn.Tanh(), nn.Flatten(), nn.LazyLinear(10))
+    batch = data((1, 8, 8), 6)
+
+    def failing(m, b):
+        ce_loss(m, b)
+        raise RuntimeError("after the forward")
+
+    with pytest.raises(RuntimeError, match="after the forward"):
+        accumnorm.backward(model, batch, failing, micro_batch_size=2, bn=bn, schedule=schedule)
+    assert model[1].has_uninitialized_params() and model[1].num_features is None
+    assert type(model[4]) is nn.LazyLinear and model[4].has_uninitialized_params()
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, bn=bn, schedule=schedule)
+    assert model[1].num_features == 4 and type(model[4]) is nn.Linear and model[4].weight.grad is not None
 
 
 @pytest.mark.parametrize("bn", ["exact", "micro"])

@@ -3,9 +3,13 @@
 The step writes its gradients to fresh `.grad` tensors, the caller's set aside; buffers (running
 statistics, counters) are copied before it starts. `commit` adds the caller's gradients back, out of
 place, so that until `backward` returns the old ones are intact and `rollback` can still restore them,
-even when an interrupt arrives in the middle of the merge.
+even when an interrupt arrives in the middle of the merge. A lazy module (torch's `Lazy*` layers,
+accumnorm's norms built without a channel count) that the step's first forward materialized is made
+lazy again.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -25,6 +29,8 @@ class Transaction:
         # replace it by another tensor; both are undone.
         self.buffers = [(m, name, b, b.clone()) for m in model.modules() for name, b in m._buffers.items()
                         if b is not None and not is_lazy(b)]
+        self.lazy = [_Lazy(m) for m in model.modules()
+                     if any(t is not None and is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()))]
 
     def begin(self) -> None:
         """Set the caller's gradients aside: the step accumulates into fresh ones."""
@@ -45,3 +51,32 @@ class Transaction:
             for m, name, b, saved in self.buffers:
                 m._buffers[name] = b
                 b.copy_(saved)
+        for lazy in self.lazy:
+            lazy.restore()
+
+
+class _Lazy:
+    """A lazy module as it was before its first forward: its class, attributes and hooks, and each uninitialized
+    tensor's class and (empty) data, which materializing replaces in place."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module, self.cls = module, type(module)
+        self.attributes = {k: dict(v) if type(v) in (dict, OrderedDict) else v for k, v in vars(module).items()}
+        self.tensors = [(t, type(t), t.data) for t in (*module._parameters.values(), *module._buffers.values())
+                        if t is not None and is_lazy(t)]
+
+    def restore(self) -> None:
+        for t, cls, data in self.tensors:
+            t.data = data
+            t.__class__ = cls
+        module = self.module
+        module.__class__ = self.cls
+        for key, value in self.attributes.items():
+            current = vars(module).get(key)
+            if type(value) is dict and type(current) in (dict, OrderedDict):
+                current.clear()  # the same hook dicts: handles made before the step still find their hooks
+                current.update(value)
+            else:
+                vars(module)[key] = value
+        for key in set(vars(module)) - set(self.attributes):
+            del vars(module)[key]
