@@ -5,93 +5,96 @@ gradient is made three ways, interleaved round by round so that machine noise hi
 
   plain      the models' own torch BatchNorm, the usual loop: loss * b / B, backward, K times
   layerwise  accumnorm.backward(schedule="layerwise"): micro-batches in lockstep, one joint node per BN call
-  passes     accumnorm.backward(schedule="passes"): 2L + 1 passes for L BN calls
+  passes     accumnorm.backward(schedule="passes"): 2L + 1 passes for L BN calls (skipped above --skip-passes-over)
 
 and prints the median milliseconds per step, each schedule's ratio to plain, and the memory each holds:
 the peak bytes of autograd's saved tensors during the step (each storage counted once), which for the
 layerwise schedule on a CPU is its store (the whole batch's saved tensors), and on CUDA the peak of
-torch.cuda.max_memory_allocated (the store then lives in pinned host memory). Inputs are real MNIST
-digits from ../shared/data/mnist-mini, upscaled to --size and repeated over 3 channels.
+torch.cuda.max_memory_allocated (the store then lives in pinned host memory). "BN" is the number of
+training-mode F.batch_norm calls one forward makes (L above).
+
+The models (benchmarks/_models.py, each with its own batch and loss, all from their configs, no weights):
+the study's VGG-like net and torchvision's resnet18, resnet50, mobilenet_v3_small, efficientnet_b0
+(classification of MNIST digits upscaled to --size, 3 channels); ultralytics' YOLOv8n (its raw maps, mean
+squares); MONAI's 3D UNet (digits extruded to --volume^3, per-voxel cross-entropy); segmentation_models_pytorch's
+Unet on resnet18 (per-pixel cross-entropy); a model with Python control flow torch.fx cannot trace; torchvision's
+densenet121 with its BatchNorms inside activation checkpointing. A model whose library is not installed is
+skipped with a note; a schedule that fails on a model shows "failed" and the error goes to stderr.
 
     python benchmarks/bench_backward.py                    # every model, 64x64, 4x4 and 2x8, 2 threads
     python benchmarks/bench_backward.py --models resnet18 --splits 4x4 --rounds 3 --passes-rounds 1
+    python benchmarks/bench_backward.py --models yolov8n,smp_unet --markdown   # a table to paste into a README
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _models import BATCH, MODELS, Batch
+from torch.overrides import TorchFunctionMode
 
 import accumnorm
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist-mini")
-BATCH = 16
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+Method = Callable[[nn.Module, Batch, int, LossFn], None]
 
 
-def study_net() -> nn.Module:
-    """The study's VGG-like net: conv 32-64-128-256, each + BatchNorm + ReLU, max-pool between."""
-    layers: list[nn.Module] = []
-    c0 = 3
-    for i, c in enumerate((32, 64, 128, 256)):
-        layers += [nn.Conv2d(c0, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()] + ([nn.MaxPool2d(2)] if i < 3 else [])
-        c0 = c
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c0, 10))
+def split(batch: Batch, micro: int) -> list[Batch]:
+    """The micro-batches of a tensor or a tuple/list of tensors, micro samples each (the last may be smaller)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(micro))
+    return [type(batch)(parts) for parts in zip(*(t.split(micro) for t in batch))]
 
 
-def torchvision_model(name: str) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import torchvision
-
-        model = getattr(torchvision.models, name)(num_classes=10)
-        for m in model.modules():  # dropout would make the three runs differ; timing does not need it
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
-        return model
-    return build
+def samples(batch: Batch) -> int:
+    return len(batch if isinstance(batch, torch.Tensor) else batch[0])
 
 
-MODELS = {"study": study_net, **{n: torchvision_model(n) for n in
-                                 ("resnet18", "resnet50", "mobilenet_v3_small", "efficientnet_b0")}}
+def to(batch: Batch, device: torch.device) -> Batch:
+    return batch.to(device) if isinstance(batch, torch.Tensor) else type(batch)(t.to(device) for t in batch)
 
 
-def digits(size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """BATCH real MNIST digits at size x size, 3 channels (noise of that shape if the data is missing)."""
-    try:
-        from torchvision.datasets import MNIST
-
-        ds = MNIST(DATA, train=True, download=False)
-        x, y = ds.data[:BATCH].unsqueeze(1).float() / 255, ds.targets[:BATCH]
-    except Exception:  # the timing does not depend on pixel values
-        x, y = torch.rand(BATCH, 1, 28, 28), torch.randint(0, 10, (BATCH,))
-    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
-    return (x - 0.1307) / 0.3081, y
+def plain_step(model: nn.Module, batch: Batch, micro: int, loss_fn: LossFn) -> None:
+    for part in split(batch, micro):
+        (loss_fn(model, part) * samples(part) / samples(batch)).backward()
 
 
-def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return F.cross_entropy(model(x), y)
-
-
-def plain_step(model: nn.Module, batch, micro: int) -> None:
-    x, y = batch
-    for xb, yb in zip(x.split(micro), y.split(micro)):
-        (loss_fn(model, (xb, yb)) * len(xb) / len(x)).backward()
-
-
-def schedule_step(schedule: str) -> Callable[[nn.Module, tuple, int], None]:
-    def step(model: nn.Module, batch, micro: int) -> None:
+def schedule_step(schedule: str) -> Method:
+    def step(model: nn.Module, batch: Batch, micro: int, loss_fn: LossFn) -> None:
         accumnorm.backward(model, batch, loss_fn, micro_batch_size=micro, schedule=schedule)
     return step
 
 
-METHODS = {"plain": plain_step, "layerwise": schedule_step("layerwise"), "passes": schedule_step("passes")}
+METHODS: dict[str, Method] = {"plain": plain_step, "layerwise": schedule_step("layerwise"),
+                              "passes": schedule_step("passes")}
+
+
+class CountBN(TorchFunctionMode):
+    """Counts the training-mode F.batch_norm calls made under it (torch's, timm's, anyone's BatchNorm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.batch_norm and kwargs.get("training", args[5] if len(args) > 5 else False):
+            self.calls += 1
+        return func(*args, **kwargs)
+
+
+def bn_calls(model: nn.Module, batch: Batch, loss_fn: LossFn) -> int:
+    """L: the BatchNorm calls one forward makes (counted on a copy, on 2 samples, without grad)."""
+    with torch.no_grad(), CountBN() as count:
+        loss_fn(copy.deepcopy(model), split(batch, 2)[0])
+    return count.calls
 
 
 class SavedBytes:
@@ -121,59 +124,113 @@ class SavedBytes:
         return packed[0]
 
 
-def memory(model: nn.Module, batch, micro: int, method: Callable, device: torch.device) -> int:
+def memory(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device) -> int:
     """Peak bytes held by one step: saved tensors on a CPU, max_memory_allocated on CUDA."""
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        method(model, batch, micro)
+        step(model)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base
     saved = SavedBytes()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-        method(model, batch, micro)
+        step(model)
     return saved.peak
 
 
-def timed(model: nn.Module, batch, micro: int, method: Callable, device: torch.device) -> float:
+def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device) -> float:
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    method(model, batch, micro)
+    step(model)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def bench(name: str, micro: int, args: argparse.Namespace, device: torch.device) -> dict[str, tuple[float, int]]:
-    torch.manual_seed(0)
-    base = MODELS[name]().to(device)
-    x, y = digits(args.size)
-    batch = (x.to(device), y.to(device))
-    models = {m: copy.deepcopy(base) for m in METHODS}  # same weights; each its own running statistics
+Result = tuple[float, int] | str  # (median seconds, nan if not timed; peak bytes), or why there is none
+
+
+def bench(name: str, base: nn.Module, batch: Batch, micro: int, methods: list[str], args: argparse.Namespace,
+          device: torch.device) -> dict[str, Result]:
+    """Each method's result, and the whole batch's memory; a method that raises is reported "failed"."""
+    loss_fn = MODELS[name].loss
+    steps = {m: (lambda model, m=m: METHODS[m](model, batch, micro, loss_fn)) for m in methods}
+    steps["whole batch"] = lambda model: plain_step(model, batch, BATCH, loss_fn)
+    models = {m: copy.deepcopy(base) for m in steps}  # same weights; each its own running statistics
+    peaks: dict[str, float | None] = {}
+    times: dict[str, list[float | None]] = {m: [] for m in methods}
+    failed: set[str] = set()
+
+    def attempt(method: str, measure: Callable[..., float]) -> float | None:
+        if method in failed:
+            return None
+        try:
+            return measure(models[method], steps[method], device)
+        except Exception as e:  # reported; the other methods go on
+            failed.add(method)
+            print(f"note: {name} {micro}x{BATCH // micro} {method} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            return None
+
     # The memory run is also the warm-up (allocator, first-call costs): it is not timed.
-    peaks = {m: memory(model, batch, micro, METHODS[m], device) for m, model in models.items()}
-    peaks["whole batch"] = memory(copy.deepcopy(base), batch, BATCH, plain_step, device)
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    for m in steps:
+        peaks[m] = attempt(m, memory)
     for r in range(args.rounds):
-        for method, model in models.items():
-            if method != "passes" or r < args.passes_rounds:
-                times[method].append(timed(model, batch, micro, METHODS[method], device))
-    return {m: (statistics.median(times[m]) if times.get(m) else float("nan"), peak) for m, peak in peaks.items()}
+        for m in methods:
+            if m != "passes" or r < args.passes_rounds:
+                times[m].append(attempt(m, timed))
+    nan = float("nan")
+    return {m: "failed" if m in failed else (statistics.median(times[m]) if times.get(m) else nan, peaks[m])
+            for m in steps}
+
+
+# (text header, markdown header, text width): the text table is fixed-width, the markdown one pipe-separated
+COLUMNS = [("model", "model", -20), ("split", "split", 6), ("BN", "BN calls", 5), ("plain ms", "plain ms", 10),
+           ("layerwise", "layerwise ms", 17), ("passes", "passes ms", 18), ("mem plain", "{mem} plain", 11),
+           ("layerwise", "{mem} layerwise", 11), ("passes", "{mem} passes", 9), ("whole", "{mem} whole batch", 8)]
+
+
+def row(cells: list[str], markdown: bool) -> str:
+    if markdown:
+        return "| " + " | ".join(cells) + " |"
+    return "".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, (_, _, w) in zip(cells, COLUMNS))
+
+
+def cells(name: str, micro: int, calls: int, r: dict[str, Result]) -> list[str]:
+    plain = r["plain"][0] if isinstance(r["plain"], tuple) else float("nan")
+
+    def ms(m: str) -> str:
+        if isinstance(r[m], str):
+            return r[m]
+        t = r[m][0]
+        if t != t:  # not timed (--passes-rounds 0)
+            return "-"
+        return f"{t * 1e3:.0f}" if m == "plain" or plain != plain else f"{t * 1e3:.0f} ({t / plain:.2f}x)"
+
+    def mib(m: str) -> str:
+        return r[m] if isinstance(r[m], str) else f"{r[m][1] / 2**20:.1f}"
+
+    return [name, f"{micro}x{BATCH // micro}", str(calls), ms("plain"), ms("layerwise"), ms("passes"),
+            mib("plain"), mib("layerwise"), mib("passes"), mib("whole batch")]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--splits", default="4x4,2x8", help="micro-batch x accumulation steps, each making 16")
-    p.add_argument("--size", type=int, default=64, help="input height and width (default 64)")
+    p.add_argument("--size", type=int, default=64, help="input height and width of 2D models (default 64)")
+    p.add_argument("--volume", type=int, default=32, help="input side of 3D models (default 32: 32^3 voxels)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds of plain and layerwise (median)")
     p.add_argument("--passes-rounds", type=int, default=1, help="timed rounds of passes (slow on deep nets)")
+    p.add_argument("--skip-passes-over", type=int, default=100, metavar="N",
+                   help="skip passes (2L+1 passes) for models with more than N BatchNorm calls (default 100)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--markdown", action="store_true", help="print the table in markdown, to paste into a README")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -188,20 +245,47 @@ def main() -> None:
         if b * k != BATCH:
             p.error(f"split {s} makes {b * k} samples; each split must make {BATCH}")
         splits.append(b)
-    mem = "peak MiB of saved tensors" if device.type == "cpu" else "peak MiB allocated on the device"
-    print(f"batch {BATCH} at {args.size}x{args.size}, {device}, {torch.get_num_threads()} threads, "
-          f"median of {args.rounds} interleaved rounds ({args.passes_rounds} for passes); memory: {mem}")
-    print(f"{'model':<20}{'split':>6}{'BN':>5}{'plain ms':>10}{'layerwise':>17}{'passes':>18}"
-          f"{'mem plain':>11}{'layerwise':>11}{'passes':>9}{'whole':>8}")
+    print_header(args, device)
     for name in names:
-        n_bn = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in MODELS[name]().modules())
+        prepared = prepare(name, args, device)
+        if prepared is None:
+            continue
+        base, batch, calls = prepared
+        methods = [m for m in METHODS if m != "passes" or calls <= args.skip_passes_over]
         for micro in splits:
-            r = bench(name, micro, args, device)
-            t0 = r["plain"][0]
-            cols = [f"{r[m][0] * 1e3:8.0f} ({r[m][0] / t0:4.2f}x)" for m in ("layerwise", "passes")]
-            mib = [f"{r[m][1] / 2**20:9.1f}" for m in ("plain", "layerwise", "passes", "whole batch")]
-            print(f"{name:<20}{f'{micro}x{BATCH // micro}':>6}{n_bn:>5}{t0 * 1e3:>10.0f}{cols[0]:>17}{cols[1]:>18}"
-                  f"{mib[0]:>11}{mib[1]:>11}{mib[2]:>9}{mib[3]:>8}", flush=True)
+            r = bench(name, base, batch, micro, methods, args, device)
+            r.setdefault("passes", "skipped")
+            print(row(cells(name, micro, calls, r), args.markdown), flush=True)
+
+
+def print_header(args: argparse.Namespace, device: torch.device) -> None:
+    mem = "saved MiB" if device.type == "cpu" else "peak MiB"
+    print(f"batch {BATCH} at {args.size}x{args.size} (3D: {args.volume}^3), {device}, {torch.get_num_threads()} "
+          f"threads, median of {args.rounds} interleaved rounds ({args.passes_rounds} for passes, skipped over "
+          f"{args.skip_passes_over} BN calls); memory: "
+          + ("peak MiB of autograd's saved tensors" if device.type == "cpu" else "peak MiB allocated on the device"))
+    if args.markdown:
+        print()
+        print(row([md.format(mem=mem) for _, md, _ in COLUMNS], True))
+        print(row(["---"] * len(COLUMNS), True))
+    else:
+        print(row([text for text, _, _ in COLUMNS], False))
+
+
+def prepare(name: str, args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, Batch, int] | None:
+    """The model (seeded, no dropout), its batch on the device, its BN call count; None if its library is missing."""
+    case = MODELS[name]
+    torch.manual_seed(0)
+    try:
+        model = case.build().train().to(device)
+    except ImportError as e:  # a benchmark extra that is not installed
+        print(f"note: {name} skipped: {e}", file=sys.stderr, flush=True)
+        return None
+    for m in model.modules():  # dropout would make the runs differ; timing does not need it
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+    batch = to(case.batch(args.size, args.volume), device)
+    return model, batch, bn_calls(model, batch, case.loss)
 
 
 if __name__ == "__main__":
