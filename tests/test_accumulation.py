@@ -267,8 +267,10 @@ def test_bad_arguments(primed, kwargs, exc, match):
 @pytest.mark.parametrize("batch,exc,match", [
     (torch.zeros(0, 1, 16, 16), ValueError, "dimension 0 has length 0"),
     ((), ValueError, "batch is empty"),
-    ((torch.zeros(4, 1, 16, 16), torch.zeros(3, dtype=torch.long)), ValueError, r"share dimension 0, got lengths"),
-    ((torch.zeros(4, 1, 16, 16), [1, 2, 3, 4]), TypeError, r"batch\[1\] must be a Tensor, got list"),
+    ((torch.zeros(4, 1, 16, 16), torch.zeros(3, dtype=torch.long)), ValueError, r"share their length .*got lengths"),
+    ((torch.zeros(4, 1, 16, 16), [1, 2, 3]), ValueError, r"share their length .*'batch\[1\]': 3"),
+    ((torch.zeros(4, 1, 16, 16), (1, 2, 3, 4)), TypeError, r"batch\[1\] must be a Tensor or a list of per-sample "
+                                                           r"items, got tuple"),
     ("images", TypeError, "batch must be a Tensor or a tuple/list/dict of Tensors, got str"),
     (torch.tensor(3.0), ValueError, "0-dim tensor"),
 ])

@@ -106,7 +106,8 @@ MISUSES = {
                          "must implement training_loss(self, batch)"),
     "training_step skips super": (dict(training_step=lambda self, batch, batch_idx: self.training_loss(batch)), {},
                                   None, RuntimeError, "return super().training_step(batch, batch_idx)"),
-    "unsplittable batch": ({}, {}, "names", TypeError, "batch[2] must be a Tensor, got tuple"),
+    "unsplittable batch": ({}, {}, "names", TypeError,
+                           "batch[2] must be a Tensor or a list of per-sample items, got tuple"),
 }
 
 

@@ -15,12 +15,12 @@ BNMode = Literal["exact", "micro"]
 Schedule = Literal["auto", "layerwise", "passes"]
 
 
-def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedule: Any) -> None:
+def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedule: Any, *, forward_fn: Any = None,
+               batch_loss_fn: Any = None, targets: Any = None) -> None:
     """The arguments `backward`, the Trainer and the integrations share, checked before anything runs."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {type(loss_fn).__name__}")
+    _check_objective(loss_fn, forward_fn, batch_loss_fn, targets)
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
         raise TypeError(f"micro_batch_size must be an int, got {type(micro_batch_size).__name__} {micro_batch_size!r}")
     if micro_batch_size < 1:
@@ -31,7 +31,26 @@ def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedul
         raise ValueError(f"schedule must be one of {get_args(Schedule)}, got {schedule!r}")
 
 
-def check_step_args(grad_scaler: Any, process_group: Any) -> None:
+def _check_objective(loss_fn: Any, forward_fn: Any, batch_loss_fn: Any, targets: Any) -> None:
+    """Either loss_fn (a loss per micro-batch), or forward_fn and batch_loss_fn (one loss over the whole batch)."""
+    whole = forward_fn is not None or batch_loss_fn is not None
+    if whole and loss_fn is not None:
+        raise TypeError("pass either loss_fn (the mean loss of each micro-batch) or forward_fn and batch_loss_fn "
+                        "(one loss over the whole batch's outputs), not both")
+    if whole:
+        for name, fn, call in (("forward_fn", forward_fn, "forward_fn(model, micro_batch)"),
+                               ("batch_loss_fn", batch_loss_fn, "batch_loss_fn(outputs, targets)")):
+            if not callable(fn):
+                raise TypeError(f"{name} must be callable as {call} (forward_fn and batch_loss_fn go together), "
+                                f"got {type(fn).__name__}")
+        return
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, micro_batch), got {type(loss_fn).__name__}")
+    if targets is not None:
+        raise TypeError("targets go to batch_loss_fn, with forward_fn: with loss_fn, put them in the batch")
+
+
+def check_step_args(grad_scaler: Any, process_group: Any, whole_batch_loss: bool = False) -> None:
     """What only a step can check: its optional collaborators, and that it may build a graph at all."""
     if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
         raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__} "
@@ -42,6 +61,9 @@ def check_step_args(grad_scaler: Any, process_group: Any) -> None:
         if not isinstance(process_group, ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got "
                             f"{type(process_group).__name__} {process_group!r}")
+        if whole_batch_loss:
+            raise ValueError("batch_loss_fn with a process_group is not supported: the loss would need every "
+                             "rank's outputs. Gather them in batch_loss_fn yourself, or use loss_fn")
     if torch.is_inference_mode_enabled():
         raise ValueError("accumnorm.backward computes gradients: it cannot run under torch.inference_mode()")
     if not torch.is_grad_enabled():
@@ -50,7 +72,8 @@ def check_step_args(grad_scaler: Any, process_group: Any) -> None:
 
 
 def split(batch: Batch, size: int) -> tuple[list[Any], list[int]]:
-    """Cut a tensor, or a tuple/list/namedtuple/dict of tensors, into micro-batches of `size` along dim 0."""
+    """Cut a batch into micro-batches of `size` samples: a Tensor along dim 0, or a tuple/list/namedtuple/dict whose
+    fields are Tensors (cut along dim 0) or lists of per-sample items (cut as lists), all of one length."""
     if isinstance(batch, Tensor):
         leaves, rebuild = [("batch", batch)], lambda parts: parts[0]
     elif isinstance(batch, Mapping):
@@ -67,15 +90,17 @@ def split(batch: Batch, size: int) -> tuple[list[Any], list[int]]:
     if not leaves:
         raise ValueError("batch is empty: expected at least one tensor")
     for name, t in leaves:
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.dim() == 0:
+        if not isinstance(t, (Tensor, list)):
+            raise TypeError(f"{name} must be a Tensor or a list of per-sample items, got {type(t).__name__}")
+        if isinstance(t, Tensor) and t.dim() == 0:
             raise ValueError(f"{name} is a 0-dim tensor: expected a batch dimension 0")
-    lengths = {name: t.shape[0] for name, t in leaves}
+    lengths = {name: len(t) for name, t in leaves}
     if len(set(lengths.values())) > 1:
-        raise ValueError(f"batch tensors must share dimension 0, got lengths {lengths}")
-    n = leaves[0][1].shape[0]
+        raise ValueError(f"batch fields must share their length (dim 0 of a tensor, len of a list), got lengths "
+                         f"{lengths}")
+    n = len(leaves[0][1])
     if n == 0:
         raise ValueError("batch is empty: dimension 0 has length 0")
-    chunks = [t.split(size) for _, t in leaves]
+    chunks = [t.split(size) if isinstance(t, Tensor) else [t[i:i + size] for i in range(0, n, size)]
+              for _, t in leaves]
     return [rebuild(list(parts)) for parts in zip(*chunks)], [min(size, n - i) for i in range(0, n, size)]

@@ -1,18 +1,19 @@
-"""`accumnorm.backward`: gradient accumulation that is exact for BatchNorm.
+"""`accumnorm.backward`: gradient accumulation that is exact for BatchNorm, and for losses over the whole batch.
 
 Plain accumulation runs K micro-batches through the model and adds up their gradients. That is the
 gradient of the whole batch for every layer but BatchNorm, which normalizes each micro-batch with its
-own statistics. `backward(..., bn="exact")` gives every batch-norm call the statistics and backward
-sums of the whole batch. This module checks the arguments, picks a schedule, and makes the call a
-transaction: on any error, `.grad`, every buffer and the caller's random state are as they were.
+own statistics, and for every loss that is a mean over samples, unlike a contrastive one.
+`backward(..., bn="exact")` gives every batch-norm call the statistics and backward sums of the whole
+batch; `forward_fn` and `batch_loss_fn` take the loss once, over the whole batch's outputs. This module
+checks the arguments, picks a schedule, and makes the call a transaction: on any error, `.grad`, every
+buffer and the caller's random state are as they were.
 """
 from __future__ import annotations
 
 import threading
-import types
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -22,12 +23,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..distributed import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
+from .guards import check_every_call_seen, has_norm_statistics, refuse_unseen_batch_norms, sync_batch_norm_as_local
 from .interrupts import SigintDeferred
 from .lockstep import layerwise
+from .objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
 from .passes import passes
 from .plain import plain
 from .rng import StepRng
-from .step import LossFn, Step
+from .step import Step
 from .store import Store, resolve_store, store_for
 from .threadstate import ThreadState
 from .transaction import Transaction
@@ -42,23 +45,38 @@ _STEP_LOCK = threading.RLock()
 def backward(
     model: nn.Module,
     batch: Batch,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     *,
     micro_batch_size: int,
+    forward_fn: ForwardFn | None = None,
+    batch_loss_fn: BatchLossFn | None = None,
+    targets: Any = None,
     bn: BNMode = "exact",
     schedule: Schedule = "auto",
     store: str | torch.device | None = None,
     process_group: Any = None,
     grad_scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
-    """Accumulate into `.grad` the gradient of the mean loss over `batch`, one micro-batch at a time.
+    """Accumulate into `.grad` the gradient of the loss over `batch`, running the model one micro-batch at a time.
+
+    Two forms. A loss per micro-batch, the common case: ``backward(model, batch, loss_fn, micro_batch_size=4)``
+    with ``loss_fn(model, micro_batch)`` the mean loss over a micro-batch; the whole batch's loss is their
+    mean over samples. A loss over the whole batch, for losses that couple its samples (contrastive, divided
+    by a count over the batch): ``backward(model, batch, micro_batch_size=4, forward_fn=f, batch_loss_fn=L)``
+    with ``f(model, micro_batch)`` a micro-batch's outputs and ``L(outputs, targets)`` the loss of the whole
+    batch's outputs, each tensor of them concatenated along dim 0 over the micro-batches.
 
     Args:
-        model: the module; `loss_fn(model, micro_batch)` returns the mean loss over a micro-batch.
-        batch: a Tensor, or a tuple/list/namedtuple/dict of Tensors sharing dim 0, cut into micro-batches of
-            `micro_batch_size` (the last may be smaller; every sample weighs the same).
-        loss_fn: called once per micro-batch, as ``loss_fn(model, micro_batch)``.
+        model: the module.
+        batch: a Tensor, or a tuple/list/namedtuple/dict whose fields are Tensors (cut along dim 0) or lists of
+            per-sample items (cut as lists), all of one length: cut into micro-batches of `micro_batch_size`
+            (the last may be smaller; every sample weighs the same).
+        loss_fn: ``loss_fn(model, micro_batch)``, the mean loss over a micro-batch, called once per micro-batch.
         micro_batch_size: samples per micro-batch.
+        forward_fn: ``forward_fn(model, micro_batch)``, a micro-batch's outputs: a Tensor, or tuples, lists,
+            namedtuples and dicts of them, one row per sample. Instead of `loss_fn`, with `batch_loss_fn`.
+        batch_loss_fn: ``batch_loss_fn(outputs, targets)``, the loss of the whole batch's outputs.
+        targets: passed whole, never cut, to `batch_loss_fn` (boxes of a detection batch, labels). Default: None.
         bn: "exact": every batch-norm call that uses batch statistics (torch's BatchNorm layers and their
             subclasses, SyncBatchNorm, accumnorm's, direct `F.batch_norm` calls) sees the whole batch, as if it
             went through at once, and running statistics are updated once per call (InstanceNorm's too).
@@ -71,17 +89,18 @@ def backward(
             host memory on CUDA), "cpu", or a torch.device. Default: None.
         process_group: with torch.distributed, `batch` is this rank's share of the global batch: statistics,
             sums, loss and gradients are reduced over the group (do not wrap the model in DDP as well; a
-            DDP-wrapped model is unwrapped and its group used). Default: None.
+            DDP-wrapped model is unwrapped and its group used). Not with `batch_loss_fn`. Default: None.
         grad_scaler: a `torch.amp.GradScaler`: the loss is scaled by it before backward. Default: None.
 
     Returns:
-        The whole-batch mean loss, detached. On any error (an exception in `loss_fn`, a non-finite loss, a
+        The whole batch's loss, detached. On any error (an exception in your functions, a non-finite loss, a
         KeyboardInterrupt), nothing is changed.
 
     .. warning::
-        Each micro-batch's `loss_fn` runs once, but interleaved with the others at every BatchNorm call under
-        the layerwise schedule, and 2L + 1 times under passes: it should depend on its arguments only. Every
-        micro-batch draws its random numbers from a stream of its own, the same under every schedule; the
+        Under the layerwise schedule each micro-batch's forward runs once, interleaved with the others at every
+        BatchNorm call; under passes 2L + 1 times; with a whole-batch loss and one micro-batch at a time (plain,
+        `bn="micro"`), twice. Your functions should depend on their arguments only. Every micro-batch draws its
+        random numbers from a stream of its own, the same in every run of it and under every schedule; the
         caller's generators advance by one draw per step, whatever the split.
 
     Example::
@@ -91,60 +110,71 @@ def backward(
         optimizer.step()
     """
     model, process_group = unwrap_ddp(model, process_group)
-    check_args(model, loss_fn, micro_batch_size, bn, schedule)
-    check_step_args(grad_scaler, process_group)
+    check_args(model, loss_fn, micro_batch_size, bn, schedule, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
+               targets=targets)
+    check_step_args(grad_scaler, process_group, whole_batch_loss=batch_loss_fn is not None)
     store_device = resolve_store(store)
     micro_batches, sizes = split(batch, micro_batch_size)
+    collectives = Collectives(process_group)
+    if batch_loss_fn is not None:
+        objective = BatchLoss(forward_fn, batch_loss_fn, targets, grad_scaler)
+        objective.check_targets(sum(sizes))
+    else:
+        total = sum(sizes)
+        if process_group is not None:  # every sample of the global batch weighs the same
+            total = int(collectives.sum_(torch.tensor(total, device=_device(model))).item())
+        objective = MicroBatchLoss(loss_fn, [n / total for n in sizes], grad_scaler)
     # One micro-batch on one process is the whole batch: torch's own BatchNorm is already exact.
     exact = bn == "exact" and not (len(micro_batches) == 1 and process_group is None)
     if exact:
-        _refuse_unseen_batch_norms(model, "passes" if schedule == "passes" else "layerwise")
-    collectives = Collectives(process_group)
-    device = _device(model)
-    total = sum(sizes)
-    if process_group is not None:  # every sample of the global batch weighs the same
-        total = int(collectives.sum_(torch.tensor(total, device=device)).item())
-    weights = [n / total for n in sizes]
-
+        refuse_unseen_batch_norms(model, "passes" if schedule == "passes" else "layerwise")
+    store_hooks = store_for(store_device, _device(model))
     with _STEP_LOCK:
-        # Copies only, until the try: an interrupt before it changes nothing.
-        caller = ThreadState.capture()
-        transaction = Transaction(model)
-        rng = StepRng(len(micro_batches), sorted({d.index for d in _cuda_devices(model)}))
-        interrupts = SigintDeferred()
+        return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
+            _run_exact(new_step, schedule, store_hooks, transaction) if exact else _run(plain, new_step())))
+
+
+def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBatchLoss | BatchLoss,
+                 collectives: Collectives, exact: bool,
+                 run: Callable[[Callable[[], Step], Transaction], Step]) -> Tensor:
+    """Run the step; commit its gradients and running statistics, or, whatever ends it early, undo everything."""
+    # Copies only, until the try: an interrupt before it changes nothing.
+    caller = ThreadState.capture()
+    transaction = Transaction(model)
+    rng = StepRng(len(micro_batches), sorted({d.index for d in _cuda_devices(model)}))
+    interrupts = SigintDeferred()
+    try:
+        interrupts.start()
+        transaction.begin()
+        rng.start()
+        tracked_before = {m: m.num_batches_tracked.clone() for m in model.modules()
+                          if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None}
+
+        def new_step() -> Step:
+            return Step(model, micro_batches, objective, collectives, rng, interrupts, transaction.restore_buffers)
+
+        with sync_batch_norm_as_local(model) if exact else nullcontext():
+            step = run(new_step, transaction)
+        loss = step.result()
+        collectives.sum_grads_(transaction.params)
+        if exact:
+            check_every_call_seen(step, tracked_before)
+            step.update_running_stats(tracked_before)
+        for m in model.modules():
+            if hasattr(m, "accumnorm_step_end"):
+                m.accumnorm_step_end()
+        transaction.commit()
+        rng.close(failed=False)
+        interrupts.close()  # a Ctrl-C that came during the step is raised here, and undoes it
+    except BaseException:
+        transaction.rollback()
+        rng.close(failed=True)
+        raise
+    finally:
         try:
-            interrupts.start()
-            transaction.begin()
-            rng.start()
-            tracked_before = {m: m.num_batches_tracked.clone() for m in model.modules()
-                              if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None}
-
-            def new_step() -> Step:
-                return Step(model, micro_batches, weights, loss_fn, collectives, grad_scaler, rng, interrupts)
-
-            with _sync_batch_norm_as_local(model) if exact else nullcontext():
-                step = (_run_exact(new_step, schedule, store_for(store_device, device), transaction) if exact
-                        else _run(plain, new_step()))
-            loss = _whole_batch_loss(step, grad_scaler is not None)
-            collectives.sum_grads_(transaction.params)
-            if exact:
-                _check_every_call_seen(step, tracked_before)
-                step.update_running_stats(tracked_before)
-            for m in model.modules():
-                if hasattr(m, "accumnorm_step_end"):
-                    m.accumnorm_step_end()
-            transaction.commit()
-            rng.close(failed=False)
-            interrupts.close()  # a Ctrl-C that came during the step is raised here, and undoes it
-        except BaseException:
-            transaction.rollback()
-            rng.close(failed=True)
-            raise
-        finally:
-            try:
-                interrupts.close()
-            finally:  # whatever ended the step, the caller's thread is as it was: grad mode, autocast, modes, hooks
-                caller.apply(ThreadState.capture())
+            interrupts.close()
+        finally:  # whatever ended the step, the caller's thread is as it was: grad mode, autocast, modes, hooks
+            caller.apply(ThreadState.capture())
     return loss
 
 
@@ -153,91 +183,41 @@ def _run(schedule: Callable[[Step], None], step: Step) -> Step:
     return step
 
 
+class _NoStatistics(BaseException):
+    """Ends a one-micro-batch-at-a-time run of a whole-batch loss that met a norm call with batch statistics."""
+
+
+def _refuse_statistics(call: Any) -> Tensor:
+    raise _NoStatistics
+
+
 def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None, transaction: Transaction) -> Step:
     """The exact schedule asked for; under "auto", passes when layerwise runs out of memory."""
     if schedule == "passes":
         return _run(passes, new_step())
+    step = new_step()
+    if step.objective.whole and schedule == "auto" and not has_norm_statistics(step.model):
+        # No layer with batch statistics: one micro-batch at a time (GradCache's scheme) is exact too, in the
+        # memory of one micro-batch; a functional batch-norm call met on the way sends the step to layerwise.
+        try:
+            with step.norm_calls(_refuse_statistics, _refuse_statistics):
+                return _run(plain, step)
+        except _NoStatistics:
+            transaction.rollback()
+            transaction.begin()
+            step = new_step()
     try:
-        return _run(lambda step: layerwise(step, store), new_step())
+        return _run(lambda s: layerwise(s, store), step)
     except torch.OutOfMemoryError as e:
         if schedule == "layerwise":
             raise
-        _refuse_unseen_batch_norms(new_step().model, "passes")
+        refuse_unseen_batch_norms(step.model, "passes")
         transaction.rollback()
         transaction.begin()
         warnings.warn(f"accumnorm.backward: the layerwise schedule ran out of memory ({e}); using the passes "
                       "schedule, which holds one micro-batch at a time (store='cpu' may let layerwise fit)",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=5)
         return _run(passes, new_step())
-
-
-def _refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
-    """Refuse, before anything runs, the layers whose batch statistics no schedule could see or make exact."""
-    for name, m in model.named_modules():
-        where = name or "the model"
-        if isinstance(m, torch.jit.ScriptModule) and "BatchNorm" in getattr(m, "original_name", ""):
-            raise ValueError(f"bn='exact' cannot see the BatchNorm of the TorchScript module {where} "
-                             f"({m.original_name}): TorchScript runs it in C++. Script the model after training, or "
-                             "pass bn='micro'")
-        if isinstance(m, nn.DataParallel) and len(m.device_ids) > 1:
-            raise ValueError(f"bn='exact' cannot see the BatchNorm calls of nn.DataParallel ({where}): its replicas "
-                             "run in threads of their own. Use torch.distributed (accumnorm.backward's process_group, "
-                             "or the Trainer under torchrun), or one device")
-        refusal = getattr(m, "accumnorm_exact_refusal", None)
-        reason = refusal(schedule) if callable(refusal) else None
-        if reason:
-            raise ValueError(f"bn='exact' cannot make {type(m).__name__} ({where}) exact under the {schedule} "
-                             f"schedule: {reason}")
-
-
-def _check_every_call_seen(step: Step, tracked_before: dict[_BatchNorm, Tensor]) -> None:
-    """Each BatchNorm forward in training bumps num_batches_tracked: every bump must be a call the step saw.
-
-    A call that ran where no TorchFunctionMode reaches (TorchScript, a compiled graph, a thread of its own, C++)
-    normalized with one micro-batch's statistics: the step is refused rather than silently wrong.
-    """
-    by_device: dict[torch.device, list[_BatchNorm]] = {}
-    for m in tracked_before:
-        by_device.setdefault(m.num_batches_tracked.device, []).append(m)
-    for modules in by_device.values():
-        bumps = torch.stack([m.num_batches_tracked - tracked_before[m] for m in modules]).tolist()
-        for m, bumped in zip(modules, bumps):
-            if bumped != step.seen.get(m, 0):
-                raise ValueError(
-                    f"bn='exact' saw {step.seen.get(m, 0)} of the {bumped} training forwards of {type(m).__name__} "
-                    f"{step.names.get(m, '')}: the others ran where accumnorm cannot reach them (TorchScript, a "
-                    "torch.compile graph, a thread of their own, C++), with one micro-batch's statistics. Nothing "
-                    "was changed. Run that layer as Python in the calling thread, or pass bn='micro'")
-
-
-@contextmanager
-def _sync_batch_norm_as_local(model: nn.Module) -> Iterator[None]:
-    """Run SyncBatchNorm layers as plain BatchNorm for the step: the schedule reduces over micro-batches and ranks.
-
-    NOTE: SyncBatchNorm under an initialized process group would call its own collective kernel, which
-    neither sees the other micro-batches nor runs on CPU; its `_BatchNorm.forward` ends in F.batch_norm.
-    """
-    syncs = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
-    for m in syncs:
-        m.forward = types.MethodType(_BatchNorm.forward, m)
-    try:
-        yield
-    finally:
-        for m in syncs:
-            vars(m).pop("forward", None)
-
-
-def _whole_batch_loss(step: Step, scaled: bool) -> Tensor:
-    """The whole-batch mean loss; a non-finite one is an error unless a GradScaler will skip the step."""
-    losses = torch.stack(step.losses)
-    finite = torch.isfinite(losses)
-    # Under a GradScaler an overflow is expected now and then: its inf/nan gradients make the
-    # scaler skip the step and lower the scale, so only an unscaled run treats it as an error.
-    if not scaled and not bool(finite.all()):
-        k = int((~finite).nonzero()[0])
-        raise ValueError(f"loss is not finite ({losses[k].item()}) for micro-batch {k}; nothing was changed")
-    weights = torch.tensor(step.weights, dtype=losses.dtype, device=losses.device)
-    return step.collectives.sum_(losses @ weights)
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextvars
 from contextlib import nullcontext
+from typing import Any
 
 import greenlet
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from ..functional import moments, normalize_piece
 from .calls import BNCall, INCall
+from .outputs import concatenate
 from .step import Step
 from .store import Store
 from .threadstate import ThreadState
@@ -58,7 +60,7 @@ class _Lockstep:
             self.step.interrupts.check()
 
     def _forwards(self) -> list[Tensor]:
-        """Run the K forwards in lockstep to their losses; the weighted losses still to back-propagate."""
+        """Run the K forwards in lockstep to their ends; the (weighted) losses still to back-propagate."""
         step, k_all = self.step, range(len(self.step.micro_batches))
         self.base = ThreadState.capture()
         context = contextvars.copy_context()
@@ -80,9 +82,14 @@ class _Lockstep:
             raise
         finally:
             self.coroutines = []
+        if step.objective.whole:  # one loss over every micro-batch's outputs
+            loss, scaled = step.objective.loss(concatenate(ends))
+            step.whole_loss = loss.detach()
+            return [scaled]
         roots = []
         for k, loss in zip(k_all, ends):
-            weighted = step.weighted(loss, k)
+            step.losses[k] = loss.detach()
+            weighted = step.objective.weighted(loss, k)
             if index == 0:
                 # No BatchNorm call at all: each graph is its own, and its backward frees it now, as plain
                 # accumulation would.
@@ -91,18 +98,16 @@ class _Lockstep:
                 roots.append(weighted)
         return roots
 
-    def _forward(self, k: int) -> Tensor:
-        """The body of micro-batch k's coroutine: its loss_fn (which pauses at each BatchNorm call).
+    def _forward(self, k: int) -> Any:
+        """The body of micro-batch k's coroutine: its forward (which pauses at each BatchNorm call).
 
         The mode that sends BatchNorm calls here is the coroutines' own: the driver's work runs without it.
         """
         with self.step.norm_calls(self._batch_norm, self._instance_norm):
-            loss = self.step.loss(k)
-        self.step.losses[k] = loss.detach()
-        return loss
+            return self.step.forward(k)
 
-    def _resume(self, k: int, value: object) -> BNCall | Tensor:
-        """Run micro-batch k's forward until its next BatchNorm call (returned) or its end (its loss)."""
+    def _resume(self, k: int, value: object) -> Any:
+        """Run micro-batch k's forward until its next BatchNorm call (a BNCall) or its end (its loss or outputs)."""
         self.current = k
         self.step.rng.begin(k)
         try:
@@ -129,9 +134,11 @@ class _Lockstep:
         own = ThreadState.capture()
         try:
             self.base.apply(own)
-            joined, joint = self.driver.switch(call)  # the driver comes back once all K have met
-        finally:
+            joined, joint = self.driver.switch(call)  # the driver comes back once all K have met, in its state
+        except BaseException:  # unwound by the driver: back to this micro-batch's state, from wherever it is
             own.apply(ThreadState.capture())
+            raise
+        own.apply(self.base)
         # In a checkpointed region the piece saves its input in the region's place; its recomputation does again.
         self.step.regions.enter_forward_call(lambda x: normalize_piece(x, joint))
         return normalize_piece(joined, joint)

@@ -15,18 +15,22 @@ sum(dy * x_hat), on every BN call above it. With L BN calls and nothing kept bet
      of the micro-batch's own input. Each pass runs the forward up to call j and back-propagates that
      term from there (gradients are linear, so adding it later is exact), adding to the sums below.
 
-That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows. A sums pass costs the
+That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows (with a whole-batch loss, one
+more: every micro-batch's outputs, for the loss's gradient at each of them). A sums pass costs the
 part of the network above its call, a correction pass the part below, so the split `t` puts the
 bottom half under corrections. Cost grows linearly with the number of BN calls; memory stays that
 of one micro-batch. Every pass over a micro-batch replays its random numbers from the start.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from ..functional import GradSums, Moments, moments, normalize, normalize_with
 from .calls import BNCall, INCall
+from .outputs import OutputGrads
 from .step import Step
 
 __all__ = ["passes"]
@@ -60,10 +64,13 @@ class _Passes:
         self.k = 0  # the micro-batch being run
         self.index = 0  # BN calls seen so far in its current forward
         self.instance_norms = 0  # InstanceNorm calls seen so far in its current forward
+        self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm):
             self._statistics()
+            if self.step.objective.whole:
+                self._output_gradients()
             t = len(self.calls) // 2  # the bottom half gets correction passes
             for j in reversed(range(t, len(self.calls))):
                 self._sums_pass(j)
@@ -124,10 +131,10 @@ class _Passes:
                 self.step.rng.end(k)
             self.step.interrupts.check()
 
-    def _forward(self, k: int) -> Tensor | None:
-        """loss_fn on micro-batch k; None if a truncated pass stopped it at its target call."""
+    def _forward(self, k: int) -> Any:
+        """Micro-batch k's forward (its loss, or its outputs); None if a truncated pass stopped it at its target."""
         try:
-            loss = self.step.loss(k)
+            loss = self.step.forward(k)
         except _Stop:
             return None
         if self.index != len(self.calls):
@@ -151,6 +158,22 @@ class _Passes:
             call.parts = []
             call.sums = GradSums(call.stats.mean.shape[0], call.stats.count)
 
+    def _output_gradients(self) -> None:
+        """With a whole-batch loss: every micro-batch's outputs (no graph, every call with its statistics), the loss
+        over all of them, and its gradient at each micro-batch's outputs, from which its backwards start."""
+        self.mode, self.target = self.STATS, len(self.calls)  # no call is the target: every forward completes
+        with torch.no_grad():
+            outputs = [self._forward(k) for k in self._each()]
+        self.grads = OutputGrads(outputs)
+        self.step.whole_loss = self.grads.loss(self.step.objective.loss).detach()
+
+    def _backward_from(self, k: int, result: Any, inputs: list[Tensor] | None = None) -> None:
+        """Micro-batch k's backward from its loss (weighted) or its outputs (with their gradients)."""
+        if self.step.objective.whole:
+            self.grads.backward(k, result, inputs)
+        else:
+            torch.autograd.backward(self.step.objective.weighted(result, k), inputs=inputs)
+
     def _finish_sums(self, call: _Call) -> None:
         """Call's sums are complete on this rank: reduce them across ranks and switch it to exact backward."""
         sums = call.sums
@@ -163,18 +186,19 @@ class _Passes:
         call = self.calls[j]
         for k in self._each():
             with torch.no_grad():  # the BN call switches grad on: nothing below it needs a graph
-                loss = self._forward(k)
+                result = self._forward(k)
             # Only the sums (collected by the call's backward) matter, not the gradient itself.
-            torch.autograd.backward(self.step.weighted(loss, k), inputs=[call.input])
+            self._backward_from(k, result, inputs=[call.input])
         call.input = None
         self._finish_sums(call)
 
     def _full_pass(self, t: int) -> None:
         self.mode, self.target = self.FULL, t
         for k in self._each():
-            loss = self._forward(k)
-            self.step.losses[k] = loss.detach()
-            torch.autograd.backward(self.step.weighted(loss, k))
+            result = self._forward(k)
+            if not self.step.objective.whole:
+                self.step.losses[k] = result.detach()
+            self._backward_from(k, result)
 
     def _correction_pass(self, j: int) -> None:
         self.mode, self.target = self.CORRECT, j

@@ -1,19 +1,57 @@
-"""Plain accumulation (`bn="micro"`): each micro-batch's forward and backward in turn, BatchNorm per micro-batch."""
+"""One micro-batch at a time, each BatchNorm call with its micro-batch's statistics (`bn="micro"`).
+
+With a loss per micro-batch: each micro-batch's forward and backward in turn, plain accumulation. With a
+whole-batch loss (`forward_fn` and `batch_loss_fn`), GradCache's scheme (Gao et al. 2021), in the memory of
+one micro-batch: every micro-batch's forward without a graph for its outputs; the loss over all of them and
+its gradient at each output; then every micro-batch's forward again and its backward from those gradients.
+The second forward draws the same random numbers as the first, and its buffer updates are the ones that
+count (the first's are undone), so each micro-batch's forward counts once.
+"""
 from __future__ import annotations
 
+import torch
+
+from .outputs import OutputGrads
 from .step import Step
 
 __all__ = ["plain"]
 
 
 def plain(step: Step) -> None:
-    """Forward and backward of each micro-batch in turn, each drawing from its own random stream."""
+    """Each micro-batch on its own (module doc)."""
+    if step.objective.whole:
+        _whole_batch_loss(step)
+        return
     for k in range(len(step.micro_batches)):
-        step.rng.begin(k)
-        try:
-            loss = step.loss(k)
-        finally:
-            step.rng.end(k)
+        loss = _forward(step, k)
         step.losses[k] = loss.detach()
-        step.weighted(loss, k).backward()
+        step.objective.weighted(loss, k).backward()
+        step.interrupts.check()
+
+
+def _forward(step: Step, k: int):
+    step.rng.begin(k, restart=True)
+    try:
+        return step.forward(k)
+    finally:
+        step.rng.end(k)
+
+
+def _whole_batch_loss(step: Step) -> None:
+    if len(step.micro_batches) == 1:  # the whole batch at once
+        loss, scaled = step.objective.loss(_forward(step, 0))
+        step.whole_loss = loss.detach()
+        scaled.backward()
+        return
+    outputs = []
+    with torch.no_grad():
+        for k in range(len(step.micro_batches)):
+            outputs.append(_forward(step, k))
+            step.interrupts.check()
+    step.restore_buffers()
+    grads = OutputGrads(outputs)
+    del outputs
+    step.whole_loss = grads.loss(step.objective.loss).detach()
+    for k in range(len(step.micro_batches)):
+        grads.backward(k, _forward(step, k))
         step.interrupts.check()

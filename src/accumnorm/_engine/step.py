@@ -25,11 +25,10 @@ from ..functional import Joint, Moments, join, stack_moments, update_running_sta
 from .calls import BNCall, INCall, NormCalls, describe
 from .checkpoint import Regions
 from .interrupts import SigintDeferred
+from .objective import BatchLoss, MicroBatchLoss
 from .rng import StepRng
 
-__all__ = ["Step", "LossFn"]
-
-LossFn = Callable[[nn.Module, Any], Tensor]
+__all__ = ["Step"]
 
 
 @dataclass(eq=False)
@@ -43,22 +42,25 @@ class _InstanceNormStats:
 
 
 class Step:
-    """One `accumnorm.backward` call: the micro-batches, each one's share of the loss, and the calls they meet at.
+    """One `accumnorm.backward` call: the micro-batches, what they minimize, and the calls they meet at.
 
-    A schedule fills `losses` (one detached loss per micro-batch) and, in exact mode, meets the micro-batches
-    at each BatchNorm call (`meet`, or `check_same` + `joint_moments` + `record`).
+    A schedule runs each micro-batch's `forward(k)` (its loss, or its outputs for a whole-batch loss) and fills
+    `losses` (micro-batch losses, detached) or `whole_loss`; in exact mode it meets the micro-batches at each
+    BatchNorm call (`meet`, or `check_same` + `joint_moments` + `record`).
     """
 
-    def __init__(self, model: nn.Module, micro_batches: list[Any], weights: list[float], loss_fn: LossFn,
-                 collectives: Collectives, grad_scaler: torch.amp.GradScaler | None, rng: StepRng,
-                 interrupts: SigintDeferred) -> None:
-        self.model, self.micro_batches, self.weights, self.loss_fn = model, micro_batches, weights, loss_fn
-        self.collectives, self.grad_scaler, self.rng = collectives, grad_scaler, rng
+    def __init__(self, model: nn.Module, micro_batches: list[Any], objective: MicroBatchLoss | BatchLoss,
+                 collectives: Collectives, rng: StepRng, interrupts: SigintDeferred,
+                 restore_buffers: Callable[[], None]) -> None:
+        self.model, self.micro_batches, self.objective = model, micro_batches, objective
+        self.collectives, self.rng = collectives, rng
         self.interrupts = interrupts  # a schedule calls interrupts.check() at each of its safe points
+        self.restore_buffers = restore_buffers  # undoes what a forward did to the buffers (a forward run twice)
         # Each buffer's module: a call's running statistics name the layer it belongs to.
         self.owners = {id(b): m for m in model.modules() for b in m._buffers.values() if b is not None}
         self.seen: Counter[nn.Module] = Counter()  # batch-statistics calls the schedule saw, per owning module
         self.losses: list[Tensor | None] = [None] * len(micro_batches)
+        self.whole_loss: Tensor | None = None
         self.batch_norms: list[tuple[BNCall, Moments]] = []  # the whole batch's BatchNorm calls, in order
         self.instance_norms: list[_InstanceNormStats] = []
         self.regions = Regions(self.norm_calls)
@@ -67,28 +69,26 @@ class Step:
     def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor],
                    on_instance_norm: Callable[[INCall], Tensor]) -> NormCalls:
         """The TorchFunctionMode that sends this step's norm calls to a schedule's handlers."""
-        return NormCalls(on_batch_norm, on_instance_norm, self.owners, Step.loss.__code__, self.seen)
+        return NormCalls(on_batch_norm, on_instance_norm, self.owners, Step.forward.__code__, self.seen)
 
-    # ---------------------------------------------------------------- the micro-batches' loss
-    def loss(self, k: int) -> Tensor:
-        """loss_fn on micro-batch k, checked to be a floating-point scalar tensor."""
-        loss = self.loss_fn(self.model, self.micro_batches[k])
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"loss_fn must return a scalar Tensor, got {type(loss).__name__} for micro-batch {k}")
-        if loss.dim() != 0:
-            raise ValueError(
-                f"loss_fn must return a scalar (0-dim) Tensor, got shape {tuple(loss.shape)} for micro-batch {k}")
-        if not loss.is_floating_point():
-            raise TypeError(f"loss_fn must return a floating-point loss, got {loss.dtype} for micro-batch {k}")
-        if not loss.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"loss_fn's loss for micro-batch {k} does not require grad: it is detached from the "
-                             "model's parameters (a .detach(), .item(), or a forward under torch.no_grad)")
-        return loss
+    def forward(self, k: int) -> Any:
+        """Micro-batch k's forward: its loss (checked), or its outputs for a whole-batch loss."""
+        return self.objective.forward(self.model, self.micro_batches[k], k)
 
-    def weighted(self, loss: Tensor, k: int) -> Tensor:
-        """Micro-batch k's share of the whole-batch mean loss (times the AMP scale, if any)."""
-        loss = loss * self.weights[k]
-        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+    def result(self) -> Tensor:
+        """The whole batch's loss, detached; a non-finite micro-batch loss is an error unless a GradScaler will skip
+        the step."""
+        if self.whole_loss is not None:
+            return self.whole_loss
+        losses = torch.stack(self.losses)
+        finite = torch.isfinite(losses)
+        # Under a GradScaler an overflow is expected now and then: its inf/nan gradients make the
+        # scaler skip the step and lower the scale, so only an unscaled run treats it as an error.
+        if self.objective.grad_scaler is None and not bool(finite.all()):
+            k = int((~finite).nonzero()[0])
+            raise ValueError(f"loss is not finite ({losses[k].item()}) for micro-batch {k}; nothing was changed")
+        weights = torch.tensor(self.objective.weights, dtype=losses.dtype, device=losses.device)
+        return self.collectives.sum_(losses @ weights)
 
     # ---------------------------------------------------------------- the round protocol
     def meet(self, calls: Sequence[BNCall], index: int) -> tuple[list[Tensor], Joint]:
@@ -111,7 +111,7 @@ class Step:
         """
         first = calls[0]
         for i, call in enumerate(calls):
-            problem = _difference(first, call, grad_mode)
+            problem = _difference(first, call, grad_mode, self.names)
             if problem is not None:
                 k = micro_batches[i] if micro_batches is not None else i
                 raise ValueError(
@@ -190,7 +190,8 @@ class Step:
         return self._names
 
 
-def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool) -> str | None:
+def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool,
+                names: dict[nn.Module, str]) -> str | None:
     """What differs between two micro-batches' pieces of a BatchNorm call, or None if they are pieces of one call."""
     if call is None:
         return "had ended its forward"
@@ -201,7 +202,7 @@ def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool) -> s
         ("its input's shape past the batch dimension", tuple(x.shape[1:]), tuple(x0.shape[1:])),
         ("its input's dtype", x.dtype, x0.dtype),
         ("its input's device", x.device, x0.device),
-        ("the module", call.module, first.module),
+        ("the layer", names.get(call.module, "none"), names.get(first.module, "none")),
         ("eps", call.eps, first.eps),
         ("autocast", call.modes.autocast, first.modes.autocast),
     ]

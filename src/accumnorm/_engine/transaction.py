@@ -47,12 +47,16 @@ class Transaction:
         """The gradients and buffers as they were before the step."""
         for p, old in zip(self.params, self.grads):
             p.grad = old
+        self.restore_buffers()
+        for lazy in self.lazy:
+            lazy.restore()
+
+    def restore_buffers(self) -> None:
+        """Every buffer (the very tensor, and its values) as it was before the step."""
         with torch.no_grad():
             for m, name, b, saved in self.buffers:
                 m._buffers[name] = b
                 b.copy_(saved)
-        for lazy in self.lazy:
-            lazy.restore()
 
 
 class _Lazy:

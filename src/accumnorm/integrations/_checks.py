@@ -7,7 +7,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .._engine.args import check_args
-from .._engine.step import LossFn
+from .._engine.objective import LossFn
 from .._engine.store import resolve_store
 
 __all__ = ["backward_options", "check_optimizer"]

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._engine.args import Batch
 from .._engine.backward import backward
-from .._engine.step import LossFn
+from .._engine.objective import LossFn
 from ..distributed import map_batch
 from ._checks import backward_options, check_optimizer
 

@@ -1,0 +1,83 @@
+"""What exact mode refuses, and the one thing it changes on the model for the length of a step.
+
+Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm,
+nn.DataParallel's replica threads, a layer that declares it through `accumnorm_exact_refusal`). After it:
+every training forward of a BatchNorm layer bumps its `num_batches_tracked`, so a bump the step did not see
+is a call that normalized with one micro-batch's statistics, and the step is refused. During it:
+SyncBatchNorm runs as plain BatchNorm, whose F.batch_norm call the step sees.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .step import Step
+
+__all__ = ["refuse_unseen_batch_norms", "check_every_call_seen", "sync_batch_norm_as_local", "has_norm_statistics"]
+
+
+def refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
+    """Refuse, before anything runs, the layers whose batch statistics no schedule could see or make exact."""
+    for name, m in model.named_modules():
+        where = name or "the model"
+        if isinstance(m, torch.jit.ScriptModule) and "BatchNorm" in getattr(m, "original_name", ""):
+            raise ValueError(f"bn='exact' cannot see the BatchNorm of the TorchScript module {where} "
+                             f"({m.original_name}): TorchScript runs it in C++. Script the model after training, or "
+                             "pass bn='micro'")
+        if isinstance(m, nn.DataParallel) and len(m.device_ids) > 1:
+            raise ValueError(f"bn='exact' cannot see the BatchNorm calls of nn.DataParallel ({where}): its replicas "
+                             "run in threads of their own. Use torch.distributed (accumnorm.backward's process_group, "
+                             "or the Trainer under torchrun), or one device")
+        refusal = getattr(m, "accumnorm_exact_refusal", None)
+        reason = refusal(schedule) if callable(refusal) else None
+        if reason:
+            raise ValueError(f"bn='exact' cannot make {type(m).__name__} ({where}) exact under the {schedule} "
+                             f"schedule: {reason}")
+
+
+def check_every_call_seen(step: Step, tracked_before: dict[_BatchNorm, Tensor]) -> None:
+    """Each BatchNorm forward in training bumps num_batches_tracked: every bump must be a call the step saw.
+
+    A call that ran where no TorchFunctionMode reaches (TorchScript, a compiled graph, a thread of its own, C++)
+    normalized with one micro-batch's statistics: the step is refused rather than silently wrong.
+    """
+    by_device: dict[torch.device, list[_BatchNorm]] = {}
+    for m in tracked_before:
+        by_device.setdefault(m.num_batches_tracked.device, []).append(m)
+    for modules in by_device.values():
+        bumps = torch.stack([m.num_batches_tracked - tracked_before[m] for m in modules]).tolist()
+        for m, bumped in zip(modules, bumps):
+            if bumped != step.seen.get(m, 0):
+                raise ValueError(
+                    f"bn='exact' saw {step.seen.get(m, 0)} of the {bumped} training forwards of {type(m).__name__} "
+                    f"{step.names.get(m, '')}: the others ran where accumnorm cannot reach them (TorchScript, a "
+                    "torch.compile graph, a thread of their own, C++), with one micro-batch's statistics. Nothing "
+                    "was changed. Run that layer as Python in the calling thread, or pass bn='micro'")
+
+
+@contextmanager
+def sync_batch_norm_as_local(model: nn.Module) -> Iterator[None]:
+    """Run SyncBatchNorm layers as plain BatchNorm for the step: the schedule reduces over micro-batches and ranks.
+
+    NOTE: SyncBatchNorm under an initialized process group would call its own collective kernel, which
+    neither sees the other micro-batches nor runs on CPU; its `_BatchNorm.forward` ends in F.batch_norm.
+    """
+    syncs = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
+    for m in syncs:
+        m.forward = types.MethodType(_BatchNorm.forward, m)
+    try:
+        yield
+    finally:
+        for m in syncs:
+            vars(m).pop("forward", None)
+
+
+def has_norm_statistics(model: nn.Module) -> bool:
+    """Whether the model has a layer that normalizes with batch statistics or keeps running ones."""
+    return any(isinstance(m, (_BatchNorm, nn.modules.instancenorm._InstanceNorm)) for m in model.modules())
