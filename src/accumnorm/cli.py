@@ -1,4 +1,5 @@
-"""The `accumnorm` command. `accumnorm study --quick` reruns a small normalization-under-accumulation study."""
+"""The `accumnorm` command. `accumnorm study --quick` reruns a small normalization-under-accumulation study;
+`accumnorm study --task simclr` measures contrastive learning under accumulation."""
 from __future__ import annotations
 
 import argparse
@@ -11,33 +12,48 @@ from collections.abc import Sequence
 # bn-exact's 2L+1 = 9 passes over 16 micro-batches are the grid's longest task (it gets a worker of its
 # own). 3 runs give a spread; 260 steps give one evaluation after step 250, where the summary starts.
 QUICK = dict(dataset="digits16", norms="bn,bn-exact,gn4", configs="16x1,1x16", runs=3, iterations=260, eval_every=65)
+# --task simclr --quick: every method at 4x4 on the same offline digits, 2 runs of 20 steps: a demo of the
+# files in well under a minute, too short to separate the methods (docs/study/simclr.md has the real study).
+SIMCLR_QUICK = dict(dataset="digits16", configs="4x4", runs=2, iterations=20, eval_every=10)
+QUICKS = {"bn": QUICK, "simclr": SIMCLR_QUICK}
+ONLY = {"norms": "bn", "methods": "simclr", "temperature": "simclr"}  # options of one task only
 
 
 def _parser() -> argparse.ArgumentParser:
-    from accumnorm.study import StudySettings
+    from accumnorm.study import SimCLRSettings, StudySettings
 
-    d = StudySettings()
+    d, c = StudySettings(), SimCLRSettings()
     p = argparse.ArgumentParser(prog="accumnorm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("study", help="train every norm x BxK config x run and write a table, curves and a report",
                        description="Rerun the study: the VGG-like net, Adam, K micro-batches of B per step. "
-                                   "Writes results.csv, summary.md, curves.png, report.html to --out; "
+                                   "Or, with --task simclr, SimCLR pre-training under accumulation, scored by a "
+                                   "linear probe. Writes results.csv, summary.md, curves.png, report.html to --out; "
                                    "rerunning the same command resumes.")
+    s.add_argument("--task", help="bn: normalization under accumulation (default); simclr: contrastive learning "
+                                  "under accumulation, methods x configs")
     s.add_argument("--quick", action="store_true",
-                   help="a small offline grid that shows the finding, about a minute on 2 CPU cores "
-                        f"({', '.join(f'{k}={v}' for k, v in QUICK.items())}); other options still override it")
+                   help="a small offline grid, under a minute on 2 CPU cores; other options still override it. "
+                        f"--task bn: {', '.join(f'{k}={v}' for k, v in QUICK.items())} (shows the finding); "
+                        f"--task simclr: {', '.join(f'{k}={v}' for k, v in SIMCLR_QUICK.items())} (a demo)")
     s.add_argument("--dataset", help=f"digits or digits16 (offline, 8x8 or upscaled to 16x16), mnist, fashion-mnist or "
                                      f"cifar10 (default {d.dataset})")
     s.add_argument("--data-dir", help="where torchvision datasets are (downloaded there when missing and online)")
     s.add_argument("--norms", help="comma list: bn (torch, per-micro-batch statistics), bn-exact (accumnorm), gn4, "
                                    "gn16, in, none, or any accumnorm.norm name, e.g. brn, bn-stale, frn, evonorm-s0 "
                                    f"(default {','.join(d.norms)})")
+    s.add_argument("--methods", help="--task simclr: comma list of bn-whole (the batch in one go), bn (plain "
+                                     "accumulation), bn-gradcache (loss whole, BatchNorm per micro-batch), bn-exact "
+                                     f"(both whole), gn (GroupNorm, loss whole) (default {','.join(c.methods)})")
     s.add_argument("--configs", help="comma list of BxK: micro-batch B, K micro-batches per step "
-                                     f"(default {','.join(d.configs)})")
+                                     f"(default {','.join(d.configs)}; --task simclr {','.join(c.configs)})")
     s.add_argument("--runs", type=int, help=f"runs (seeds) per cell (default {d.runs})")
-    s.add_argument("--iterations", type=int, help=f"optimizer steps per run (default {d.iterations})")
-    s.add_argument("--eval-every", type=int, help=f"steps between validation passes (default {d.eval_every})")
+    s.add_argument("--iterations", type=int, help=f"optimizer steps per run (default {d.iterations}; --task simclr "
+                                                  f"{c.iterations})")
+    s.add_argument("--eval-every", type=int, help=f"steps between validation passes (default {d.eval_every}; --task "
+                                                  f"simclr {c.eval_every}: linear probes)")
     s.add_argument("--lr", type=float, help=f"Adam learning rate (default {d.lr})")
+    s.add_argument("--temperature", type=float, help=f"--task simclr: NT-Xent's temperature (default {c.temperature})")
     s.add_argument("--seed", type=int, help=f"run r uses seed + r (default {d.seed})")
     s.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     s.add_argument("--out", help="output directory (default study-out/quick with --quick, else study-out/<dataset>)")
@@ -53,21 +69,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
-    from accumnorm.study import StudySettings, run_study
+    from accumnorm.study import run_study
     from accumnorm.study.settings import check_positive_int
+    from accumnorm.study.tasks import settings_class
 
     given = {k: v for k, v in vars(args).items() if v is not None}
-    options = {**(QUICK if args.quick else {}), **given}
-    fields = {k: options[k] for k in StudySettings.__dataclass_fields__ if k in options}
-    for key in ("norms", "configs"):
-        if key in fields:
-            fields[key] = tuple(x.strip() for x in fields[key].split(",") if x.strip())
-    out = options.get("out") or f"study-out/{'quick' if args.quick else fields.get('dataset', StudySettings.dataset)}"
+    task = given.pop("task", "bn")
     try:
+        settings_type = settings_class(task)
+        for option, owner in ONLY.items():
+            if option in given and owner != task:
+                raise ValueError(f"--{option} is an option of --task {owner}, not of --task {task}")
+        options = {**(QUICKS[task] if args.quick else {}), **given}
+        fields = {k: options[k] for k in settings_type.__dataclass_fields__ if k in options}
+        for key in ("norms", "methods", "configs"):
+            if key in fields:
+                fields[key] = tuple(x.strip() for x in fields[key].split(",") if x.strip())
+        name = "quick" if args.quick else fields.get("dataset", settings_type.dataset)
+        out = options.get("out") or f"study-out/{'' if task == 'bn' else task + '-'}{name}"
         if args.threads is not None:
             check_positive_int("threads", args.threads)
             torch.set_num_threads(args.threads)
-        settings = StudySettings(**fields)
+        settings = settings_type(**fields)
         run_study(out, settings, device=args.device, progress=not args.no_progress, workers=args.workers)
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"accumnorm study: error: {err}", file=sys.stderr)

@@ -15,6 +15,7 @@ import math
 import platform
 import statistics
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,7 +24,8 @@ import torch
 from .settings import StudySettings, parse_config
 from .store import atomic_write
 
-__all__ = ["write_report", "summary_cells", "cell_results", "finding", "config_label", "Cell", "AFTER_STEP"]
+__all__ = ["write_report", "write_files", "summary_cells", "grid_table", "cell_results", "finding", "versus",
+           "curves_png", "config_label", "Cell", "AFTER_STEP"]
 
 AFTER_STEP = 250  # the study averages the evaluations after this step: the first ones are still warming up
 
@@ -40,11 +42,11 @@ class Cell(NamedTuple):
     runs: int
 
 
-def cell_results(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], Cell]:
-    """(norm, B, K) -> Cell, for the cells with an evaluation after AFTER_STEP."""
-    per_run = defaultdict(lambda: defaultdict(list))  # (norm, B, K) -> run -> accuracies after AFTER_STEP
+def cell_results(rows: list[dict[str, Any]], after: int = AFTER_STEP) -> dict[tuple[str, int, int], Cell]:
+    """(norm, B, K) -> Cell, for the cells with an evaluation after step `after`."""
+    per_run = defaultdict(lambda: defaultdict(list))  # (norm, B, K) -> run -> accuracies after `after`
     for r in rows:
-        if r["iter"] > AFTER_STEP:
+        if r["iter"] > after:
             per_run[(r["norm"], r["batch_size"], r["num_accum"])][r["run"]].append(r["valid_acc"])
     cells = {}
     for key, runs in per_run.items():
@@ -56,20 +58,32 @@ def cell_results(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], Cell]
 def summary_cells(settings: StudySettings, rows: list[dict[str, Any]],
                   failures: dict[tuple[str, int, int], str]) -> list[list[str]]:
     """The table as strings: a header row, then one row per norm."""
-    results = cell_results(rows)
-    configs = [parse_config(c) for c in settings.configs]
-    table = [["norm"] + [config_label(b, k) for b, k in configs]]
-    for name in settings.norms:
+    return grid_table(settings.norms, [parse_config(c) for c in settings.configs], cell_results(rows), failures,
+                      settings.runs)
+
+
+Key = tuple[str, int, int]
+
+
+def grid_table(names: Sequence[str], configs: Sequence[tuple[int, int]], results: dict[Key, Cell],
+               failures: dict[Key, str], runs: int, first: str = "norm",
+               key: Callable[[str, int, int], Key] = lambda name, b, k: (name, b, k),
+               missing: str = f"n/a (no evaluation after step {AFTER_STEP})") -> list[list[str]]:
+    """A header row (`first`, then one column per BxK config), then one row per name; `key` says which cell's
+    result stands at (name, B, K) (a method that ignores the split shows the same cell in every column)."""
+    table = [[first] + [config_label(b, k) for b, k in configs]]
+    for name in names:
         line = [name]
         for b, k in configs:
-            cell = results.get((name, b, k))
-            if (name, b, k) in failures:
-                line.append(f"failed: {failures[(name, b, k)]}")
-            elif cell is None:
-                line.append(f"n/a (no evaluation after step {AFTER_STEP})")
+            cell = key(name, b, k)
+            result = results.get(cell)
+            if cell in failures:
+                line.append(f"failed: {failures[cell]}")
+            elif result is None:
+                line.append(missing)
             else:
-                partial = f" ({cell.runs}/{settings.runs} runs)" if cell.runs != settings.runs else ""
-                line.append(f"{cell.mean:.3f} ± {cell.spread:.3f}{partial}")
+                partial = f" ({result.runs}/{runs} runs)" if result.runs != runs else ""
+                line.append(f"{result.mean:.3f} ± {result.spread:.3f}{partial}")
         table.append(line)
     return table
 
@@ -88,24 +102,19 @@ def finding(settings: StudySettings, rows: list[dict[str, Any]]) -> str | None:
         if k == 1 or small is None or big is None:
             continue
         acc, one_go = config_label(b, k), config_label(b * k, 1)
-        loss, noise = _difference(big, small)
         text = (f"torch's BatchNorm (bn) at {acc} reaches {small.mean:.3f} validation accuracy against "
-                f"{big.mean:.3f} for the same batch in one go ({one_go}), {_versus(-loss, noise)}")
+                f"{big.mean:.3f} for the same batch in one go ({one_go}), {versus(small, big)}")
         exact = results.get(("bn-exact", b, k))
         if exact is not None:
-            gain, noise = _difference(exact, small)
             text += (f"; accumnorm's exact BatchNorm (bn-exact) at {acc} reaches {exact.mean:.3f}, "
-                     f"{_versus(gain, noise)}, and {exact.mean - big.mean:+.3f} from the batch in one go")
+                     f"{versus(exact, small)}, and {exact.mean - big.mean:+.3f} from the batch in one go")
         return text + "."
     return None
 
 
-def _difference(a: Cell, b: Cell) -> tuple[float, float]:
-    """a's mean minus b's, and twice the larger spread over runs of the two."""
-    return a.mean - b.mean, 2 * max(a.spread, b.spread)
-
-
-def _versus(gap: float, noise: float) -> str:
+def versus(a: Cell, b: Cell) -> str:
+    """a's mean minus b's, and whether that is more than twice the larger spread over runs of the two."""
+    gap, noise = a.mean - b.mean, 2 * max(a.spread, b.spread)
     return f"{gap:+.3f}, {'more' if abs(gap) > noise else 'not more'} than twice the spread over runs ({noise:.3f})"
 
 
@@ -120,17 +129,23 @@ def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]],
     caption = (f"Mean validation accuracy after step {AFTER_STEP} (mean ± std over {settings.runs} runs), "
                f"{settings.dataset}, {settings.iterations} steps, Adam lr {settings.lr}, "
                f"evaluation every {settings.eval_every} steps.")
+    configs = [parse_config(c) for c in settings.configs]
+    png = curves_png({name: configs for name in settings.norms}, rows, "valid acc")
+    write_files(out, "Normalization under gradient accumulation", caption, table, finding(settings, rows), png,
+                settings.to_json(), device=device, workers=workers, threads=threads)
+
+
+def write_files(out: Path, title: str, caption: str, table: list[list[str]], sentence: str | None, png: bytes,
+                settings: dict[str, Any], device: str, workers: int = 1, threads: int | None = None) -> None:
+    """Write summary.md (title, caption, table, sentence), curves.png and report.html (all of them and the
+    settings) into `out`, each file replaced whole."""
     md = ["| " + " | ".join(table[0]) + " |", "|" + "---|" * len(table[0])]
     md += ["| " + " | ".join(line) + " |" for line in table[1:]]
-    sentence = finding(settings, rows)
     conclusion = f"\n{sentence}\n" if sentence else ""
-    atomic_write(out / "summary.md",
-                 f"# Normalization under gradient accumulation\n\n{caption}\n\n" + "\n".join(md) + "\n" + conclusion)
-
-    png = _curves_png(settings, rows)
+    atomic_write(out / "summary.md", f"# {title}\n\n{caption}\n\n" + "\n".join(md) + "\n" + conclusion)
     atomic_write(out / "curves.png", png)
 
-    info = {**settings.to_json(), "device": device, "torch": torch.__version__, "workers": workers,
+    info = {**settings, "device": device, "torch": torch.__version__, "workers": workers,
             "threads per worker": threads or torch.get_num_threads(),
             "python": platform.python_version()}
     cell = lambda tag, text: f"<{tag}>{html.escape(str(text))}</{tag}>"  # noqa: E731
@@ -141,7 +156,7 @@ def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]],
 <html><head><meta charset="utf-8"><title>accumnorm study</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}} table{{border-collapse:collapse;margin:1em 0}}
 td,th{{border:1px solid #bbb;padding:4px 8px;text-align:left}} img{{max-width:100%}}</style></head>
-<body><h1>Normalization under gradient accumulation</h1>
+<body><h1>{html.escape(title)}</h1>
 <p>{html.escape(caption)}</p>
 <table>{head}{body}</table>
 {f"<p>{html.escape(sentence)}</p>" if sentence else ""}
@@ -152,8 +167,9 @@ td,th{{border:1px solid #bbb;padding:4px 8px;text-align:left}} img{{max-width:10
     atomic_write(out / "report.html", page)
 
 
-def _curves_png(settings: StudySettings, rows: list[dict[str, Any]]) -> bytes:
-    """The figure as PNG bytes: one panel per norm, one line per config, mean over runs and min-max band."""
+def curves_png(panels: dict[str, Sequence[tuple[int, int]]], rows: list[dict[str, Any]], ylabel: str) -> bytes:
+    """The figure as PNG bytes: one panel per name of `panels`, one line per BxK config it lists, each the mean over
+    runs with a min-max band."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed, none opened
@@ -162,11 +178,11 @@ def _curves_png(settings: StudySettings, rows: list[dict[str, Any]]) -> bytes:
     curves = defaultdict(lambda: defaultdict(list))  # (norm, B, K) -> step -> accuracies over runs
     for r in rows:
         curves[(r["norm"], r["batch_size"], r["num_accum"])][r["iter"]].append(r["valid_acc"])
-    cols = min(3, len(settings.norms))
-    nrows = math.ceil(len(settings.norms) / cols)
+    cols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.4 * nrows), squeeze=False, sharey=True)
-    for ax, name in zip(axes.flat, settings.norms):
-        for b, k in (parse_config(c) for c in settings.configs):
+    for ax, (name, configs) in zip(axes.flat, panels.items()):
+        for b, k in configs:
             points = sorted(curves[(name, b, k)].items())
             if not points:
                 continue  # failed or not run: the table says why
@@ -179,8 +195,8 @@ def _curves_png(settings: StudySettings, rows: list[dict[str, Any]]) -> bytes:
         if ax.lines:
             ax.legend(fontsize=8)
     for ax in axes[:, 0]:
-        ax.set_ylabel("valid acc")
-    for ax in list(axes.flat)[len(settings.norms):]:
+        ax.set_ylabel(ylabel)
+    for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
     buf = io.BytesIO()

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +48,12 @@ from .fused import fusable, use_ghost_batches
 from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 from .report import write_report
 from .settings import StudySettings, check_positive_int, parse_config
+from .tasks import study_task
 
-__all__ = ["run_study", "data_order", "evaluate", "Task", "eval_batch"]
+if TYPE_CHECKING:
+    from .simclr import SimCLRSettings
+
+__all__ = ["run_study", "data_order", "evaluate", "Task", "eval_batch", "NORM_STUDY"]
 
 
 def eval_batch(device: torch.device) -> int:
@@ -74,9 +78,12 @@ class Task(NamedTuple):
 Outcome = list[dict[str, Any]] | str  # a finished task's result rows, or why its cell cannot run
 
 
-def run_study(out: str | Path, settings: StudySettings | None = None, *, device: str | torch.device | None = None,
-              progress: bool = True, workers: int | None = None) -> Path:
+def run_study(out: str | Path, settings: StudySettings | SimCLRSettings | None = None, *,
+              device: str | torch.device | None = None, progress: bool = True, workers: int | None = None) -> Path:
     """Run (or resume) the grid of `settings` into `out`; write the reports; return `out`.
+
+    `settings` say which task: StudySettings the normalization study, SimCLRSettings contrastive learning
+    (`accumnorm.study.simclr`). Both share this grid: names x BxK configs x runs.
 
     Runs already in out/results.csv are skipped (rows of it that cannot be read are skipped with a warning, and
     their runs trained again). A cell that cannot run (e.g. torch's BatchNorm
@@ -98,16 +105,15 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
     _check_configs(settings, len(data.train_x))
     store.open_out(out, settings.to_json())
 
-    cells = [(name, *parse_config(c)) for name in settings.norms for c in settings.configs]
+    kind = study_task(settings)
+    cells = kind.cells(settings)
     runs = {(name, b, k, r) for name, b, k in cells for r in range(settings.runs)}
     rows = store.read_whole_runs(out, runs, range(settings.eval_every, settings.iterations + 1, settings.eval_every))
     done = {store.run_key(r) for r in rows}
     tasks = []
     for name, b, k in cells:
         pending = tuple(r for r in range(settings.runs) if (name, b, k, r) not in done)
-        # Runs of a per-channel norm train side by side in one wide model; others one at a time.
-        groups = [pending] if stackable(SimpleModel(norm_fn(name))) else [(r,) for r in pending]
-        tasks += [Task(name, b, k, group) for group in groups if group]
+        tasks += [Task(name, b, k, group) for group in kind.groups(name, pending) if group]
     workers, threads = _parallelism(workers, device, len(tasks))
     total_runs = len(cells) * settings.runs
     bar = _GridProgress(tasks, settings.iterations, total_runs - sum(len(t.runs) for t in tasks), total_runs, progress)
@@ -121,8 +127,28 @@ def run_study(out: str | Path, settings: StudySettings | None = None, *, device:
             rows += outcome
             store.write_results(out, rows)
     bar.close()
-    write_report(out, settings, rows, failures, device=str(device), workers=workers, threads=threads)
+    kind.report(out, settings, rows, failures, device=str(device), workers=workers, threads=threads)
     return out
+
+
+class _NormStudy:
+    """The normalization study (StudySettings) as the runner's task (see tasks.StudyTask)."""
+
+    def cells(self, settings: StudySettings) -> list[tuple[str, int, int]]:
+        return [(name, *parse_config(c)) for name in settings.norms for c in settings.configs]
+
+    def groups(self, name: str, runs: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Runs of a per-channel norm train side by side in one wide model; others one at a time."""
+        return [runs] if stackable(SimpleModel(norm_fn(name))) else [(r,) for r in runs]
+
+    def train(self, *args: Any) -> list[dict[str, Any]]:
+        return _train(*args)  # looked up when called: tests replace it
+
+    def report(self, *args: Any, **kwargs: Any) -> None:
+        write_report(*args, **kwargs)
+
+
+NORM_STUDY = _NormStudy()
 
 
 def _check_configs(settings: StudySettings, train_size: int) -> None:
@@ -145,7 +171,7 @@ def _parallelism(workers: int | None, device: torch.device, tasks: int) -> tuple
 def _attempt(task: Task, data: Dataset, settings: StudySettings, on_step: Callable[[int], None]) -> Outcome:
     """Train `task`; a ValueError or RuntimeError (torch's BatchNorm on a 1x1 map at micro-batch 1) is its outcome."""
     try:
-        return _train(task.name, task.b, task.k, task.runs, data, settings, on_step)
+        return study_task(settings).train(task.name, task.b, task.k, task.runs, data, settings, on_step)
     except (ValueError, RuntimeError) as err:
         return str(err).strip().splitlines()[0]
 

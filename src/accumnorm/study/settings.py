@@ -28,6 +28,34 @@ def check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def check_grid(settings: Any, names: str) -> None:
+    """The checks every task's settings share: counts, lr, seed, a non-empty grid of `names` x configs.
+
+    Writes the configs (and the names, as a tuple) back in canonical spelling, so that ' 4x4' and '4x4' are the
+    same settings on disk. Raises ValueError naming the setting, before any file is written.
+    """
+    for name in ("runs", "iterations", "eval_every"):
+        check_positive_int(name, getattr(settings, name))
+    if settings.eval_every > settings.iterations:
+        raise ValueError(f"eval_every ({settings.eval_every}) is more than iterations ({settings.iterations}): no run "
+                         "would ever be evaluated, so none would write a result; expected eval_every <= iterations")
+    if not getattr(settings, names) or not settings.configs:
+        raise ValueError(f"need at least one {names[:-1]} and one config, got {names}={getattr(settings, names)!r} "
+                         f"configs={settings.configs!r}")
+    check_positive_float("lr", settings.lr)
+    seed = settings.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= 2**64 - settings.runs:
+        raise ValueError(f"seed must be an int from 0 to 2**64 - runs (run r is seeded with seed + r), got {seed!r}")
+    object.__setattr__(settings, "configs", tuple("{}x{}".format(*parse_config(c)) for c in settings.configs))
+    object.__setattr__(settings, names, tuple(getattr(settings, names)))
+
+
+def check_positive_float(name: str, value: Any) -> None:
+    """A setting that must be a finite number > 0 (a learning rate, a temperature)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
 @dataclass(frozen=True)
 class StudySettings:
     """What a study measures; saved as settings.json next to its results."""
@@ -43,20 +71,7 @@ class StudySettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("runs", "iterations", "eval_every"):
-            check_positive_int(name, getattr(self, name))
-        if self.eval_every > self.iterations:
-            raise ValueError(f"eval_every ({self.eval_every}) is more than iterations ({self.iterations}): no run "
-                             "would ever be evaluated, so none would write a result; expected eval_every <= iterations")
-        if not self.norms or not self.configs:
-            raise ValueError(
-                f"need at least one norm and one config, got norms={self.norms!r} configs={self.configs!r}"
-            )
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not 0 < self.lr < math.inf:
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= 2**64 - self.runs:
-            raise ValueError(f"seed must be an int from 0 to 2**64 - runs (run r is seeded with seed + r), "
-                             f"got {self.seed!r}")
+        check_grid(self, "norms")
         for name in self.norms:
             build = norm_fn(name)  # unknown names fail here, before any file is written
             try:  # and so does a norm that cannot fit the study's widths (gn3); built on meta: no memory
@@ -64,9 +79,6 @@ class StudySettings:
                     SimpleModel(build)
             except ValueError as err:
                 raise ValueError(f"norm {name!r} does not fit the study's network: {err}") from err
-        # Canonical spellings, so that ' 4x4' and '4x4' are the same settings on disk.
-        object.__setattr__(self, "configs", tuple("{}x{}".format(*parse_config(c)) for c in self.configs))
-        object.__setattr__(self, "norms", tuple(self.norms))
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "norms": list(self.norms), "configs": list(self.configs)}
