@@ -2,7 +2,8 @@
 import torch
 import torch.nn.functional as F
 
-from accumnorm.functional import GradSums, Moments, combine_moments, moments, normalize
+from accumnorm._engine.sums import GradSums, normalize
+from accumnorm.functional import Moments, combine_moments, moments
 from helpers import rel_err
 
 

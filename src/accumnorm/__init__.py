@@ -5,8 +5,9 @@
     loss = accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=4)   # exact whole-batch gradient
     optimizer.step()
 """
-from . import distributed
+from . import distributed, functional
 from ._engine.backward import backward
+from ._trainer import Trainer
 from .layers import (
     NORM_NAMES,
     BatchNorm,
@@ -27,12 +28,11 @@ from .layers import (
     norm_layer,
     revert,
 )
-from .trainer import Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "backward", "Trainer", "distributed",
+    "backward", "Trainer", "distributed", "functional",
     "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
     "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm",
     "BatchRenorm2d", "StaleBatchNorm2d", "FilterResponseNorm2d", "EvoNorm2dS0",

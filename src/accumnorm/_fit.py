@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from . import distributed
+from . import _dist
 from ._files import atomic_write, csv_text, read_csv
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ._trainer import Trainer
 
 try:
     from tqdm.auto import tqdm
@@ -113,7 +113,7 @@ class FitLoop:
     def _record(self, batch: Any, loss: float, lr: float) -> None:
         t = self.trainer
         # loading and training time; every rank is assumed to hold as many samples as this one
-        samples_per_s = distributed.num_samples(batch) * t.world_size / (time.perf_counter() - self.tick)
+        samples_per_s = _dist.num_samples(batch) * t.world_size / (time.perf_counter() - self.tick)
         self.last = {"loss": loss, "lr": lr, "samples_per_s": samples_per_s}
         if t.max_grad_norm is not None:
             self.last["grad_norm"] = t.grad_norm
@@ -138,7 +138,7 @@ class FitLoop:
 def describe(trainer: Trainer, batch: Any, loader: Iterable, **fit_args: Any) -> dict[str, Any]:
     """The run's configuration and derived sizes, printed at start and saved as config.json."""
     t = trainer
-    per_rank = distributed.num_samples(batch)
+    per_rank = _dist.num_samples(batch)
     accum = math.ceil(per_rank / t.micro_batch_size)
     config = {
         "micro_batch_size": t.micro_batch_size, "accumulation_steps": accum, "world_size": t.world_size,

@@ -30,8 +30,9 @@ import greenlet
 import torch
 from torch import Tensor
 
-from ..functional import moments, normalize_piece
+from ..functional import moments
 from .calls import BNCall, INCall
+from .joint import normalize_piece
 from .outputs import concatenate
 from .step import Step
 from .store import Store

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..functional import GradSums, Moments, moments, normalize, normalize_with
+from ..functional import Moments, moments
 from .calls import BNCall, INCall
 from .outputs import OutputGrads
 from .step import Step
+from .sums import GradSums, normalize, normalize_with
 
 __all__ = ["passes"]
 
@@ -46,6 +47,7 @@ class _Call:
     def __init__(self, first: BNCall) -> None:
         self.first = first  # micro-batch 0's piece of the call, as the statistics pass met it
         self.parts: list[Moments] = []  # per-micro-batch moments during its statistics pass
+        self.shapes: list[tuple[int, ...]] = []  # and the input shapes they come from
         self.sums: GradSums | None = None
         self.input: Tensor | None = None  # the BN input of the current micro-batch, for sums/correction passes
 
@@ -95,6 +97,7 @@ class _Passes:
         if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
             if i == self.target:
                 call.parts.append(moments(x))
+                call.shapes.append(tuple(x.shape))
                 raise _Stop
             return normalize_with(x, call.stats.mean, call.stats.var, w, b, eps)
         if self.mode == self.SUMS and i == self.target:
@@ -153,6 +156,7 @@ class _Passes:
                     if self._forward(k) is not None:  # micro-batch 0 never reached call j: there are j
                         return
             call = self.calls[j]
+            self.step.check_count(call.shapes)
             call.first.stats = self.step.joint_moments(call.parts)
             self.step.record(call.first, call.first.stats)
             call.parts = []

@@ -10,6 +10,7 @@ the whole batch would.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,11 +21,12 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..distributed import Collectives
-from ..functional import Joint, Moments, join, stack_moments, update_running_stats_
+from .._dist import Collectives
+from ..functional import Moments, combine_moments, update_running_stats_
 from .calls import BNCall, INCall, NormCalls, describe
 from .checkpoint import Regions
 from .interrupts import SigintDeferred
+from .joint import Joint, join
 from .objective import BatchLoss, MicroBatchLoss
 from .rng import StepRng
 
@@ -95,8 +97,9 @@ class Step:
         """The K micro-batches' pieces of BatchNorm call `index` (each with its `moments`), joined into one call of
         the whole batch: its statistics over every micro-batch and rank, and one autograd node whose backward
         runs once every piece's gradient is known (it needs their sums). Each piece is then normalized by
-        `functional.normalize_piece(joined[k], joint)`."""
+        `joint.normalize_piece(joined[k], joint)`."""
         self.check_same(calls, index)
+        self.check_count([tuple(c.input.shape) for c in calls])
         stats = self.joint_moments([c.moments for c in calls])
         first = self.record(calls[0], stats)
         joint = Joint(stats, first.weight, first.bias, first.eps, self.collectives.sum_)
@@ -119,9 +122,16 @@ class Step:
                     f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made "
                     f"{self.describe(first) if first is not None else 'none'}")
 
+    def check_count(self, shapes: Sequence[tuple[int, ...]]) -> None:
+        """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch)."""
+        per_channel = sum(math.prod(shape) // shape[1] for shape in shapes)
+        if self.collectives.group is None and per_channel <= 1:
+            size = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+
     def joint_moments(self, parts: list[Moments]) -> Moments:
         """The moments of the whole batch (every micro-batch, every rank) from each micro-batch's."""
-        return self.collectives.merge_moments(stack_moments(parts))
+        return self.collectives.merge_moments(combine_moments(parts))
 
     def record(self, call: BNCall, stats: Moments) -> BNCall:
         """Note a BatchNorm call of the whole batch, with its statistics, for the running-statistics update."""

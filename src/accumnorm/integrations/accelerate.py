@@ -31,10 +31,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .._dist import map_batch
 from .._engine.args import Batch
 from .._engine.backward import backward
 from .._engine.objective import LossFn
-from ..distributed import map_batch
 from ._checks import backward_options, check_optimizer
 
 try:

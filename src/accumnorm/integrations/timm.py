@@ -22,10 +22,10 @@ try:
 except ImportError as err:  # pragma: no cover - the message is the point
     raise ImportError("accumnorm.integrations.timm needs timm: pip install 'accumnorm[timm]'") from err
 
-from ..layers.batchnorm import BatchNorm2d
-from ..layers.lazy import check_num_features, norm_forward
+from ..layers._batchnorm import BatchNorm2d
+from ..layers._lazy import check_num_features, norm_forward
 
-__all__ = ["BatchNormAct2d", "TO_ACCUM", "TO_TIMM"]
+__all__ = ["BatchNormAct2d"]
 
 
 class BatchNormAct2d(BatchNorm2d, _timm.BatchNormAct2d):
@@ -73,5 +73,5 @@ class BatchNormAct2d(BatchNorm2d, _timm.BatchNormAct2d):
 
 
 # What accumnorm.convert / revert swap (the same tensors and child modules, act and drop, carried over).
-TO_ACCUM: dict[type, type] = {_timm.BatchNormAct2d: BatchNormAct2d, _timm.SyncBatchNormAct: BatchNormAct2d}
-TO_TIMM: dict[type, type] = {BatchNormAct2d: _timm.BatchNormAct2d}
+_TO_ACCUM: dict[type, type] = {_timm.BatchNormAct2d: BatchNormAct2d, _timm.SyncBatchNormAct: BatchNormAct2d}
+_TO_TIMM: dict[type, type] = {BatchNormAct2d: _timm.BatchNormAct2d}

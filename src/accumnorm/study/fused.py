@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from ..layers.alternatives import EvoNorm2dS0, FilterResponseNorm2d
+from ..layers import EvoNorm2dS0, FilterResponseNorm2d
 from .model import SimpleModel, SingleRun, StackedConv2d, StackedModel
 
 __all__ = ["fusable", "use_ghost_batches", "ghost_batch_norm"]

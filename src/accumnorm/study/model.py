@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 import accumnorm
-from accumnorm.layers.alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
+from accumnorm.layers import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
 
 __all__ = ["SimpleModel", "StackedModel", "StackedConv2d", "SingleRun", "norm_fn", "stackable", "STUDY_NORMS",
            "EXACT_BN", "NormFn"]

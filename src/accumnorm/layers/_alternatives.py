@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
 
-from .lazy import LazyNormMixin, check_num_features
+from ._lazy import LazyNormMixin, check_num_features
 
 __all__ = ["BatchRenorm2d", "StaleBatchNorm2d", "FilterResponseNorm2d", "EvoNorm2dS0"]
 

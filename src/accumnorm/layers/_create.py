@@ -23,9 +23,9 @@ import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import _WrappedHook
 
-from .alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
-from .batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
-from .norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
+from ._alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
+from ._batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
+from ._norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
 
 __all__ = ["norm_layer", "norm", "NORM_NAMES", "convert", "revert"]
 
@@ -93,7 +93,7 @@ def _mappings() -> tuple[dict[type, type], dict[type, type]]:
         return _TO_ACCUM, _TO_TORCH
     from ..integrations import timm as timm_layers
 
-    return {**timm_layers.TO_ACCUM, **_TO_ACCUM}, {**timm_layers.TO_TIMM, **_TO_TORCH}
+    return {**timm_layers._TO_ACCUM, **_TO_ACCUM}, {**timm_layers._TO_TIMM, **_TO_TORCH}
 
 
 def _swap(module: nn.Module, mapping: dict[type, type]) -> nn.Module:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-from .lazy import LazyNormBase, LazyNormMixin, check_num_features, norm_forward
+from ._lazy import LazyNormBase, LazyNormMixin, check_num_features, norm_forward
 
 __all__ = ["GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm"]
 

@@ -14,20 +14,20 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import distributed
+from . import _dist
 from ._checkpoint import check_fits, get_rng, read_checkpoint, set_rng
-from ._engine.args import check_args
+from ._dist import unwrap_ddp
+from ._engine.args import BNMode, Schedule, check_args
 from ._engine.backward import backward
 from ._engine.store import resolve_store
 from ._files import atomic_open
 from ._fit import FitLoop, check_fit_args
-from .distributed import unwrap_ddp
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,10 +45,10 @@ class Trainer:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, micro_batch_size: int,
-                 bn: str = "exact", scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 max_grad_norm: float | None = None, amp: str | None = None,
-                 process_group: ProcessGroup | None = None, schedule: str = "auto",
-                 store: str | torch.device | None = None):
+                 bn: BNMode = "exact", scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+                 max_grad_norm: float | None = None, amp: Literal["bf16", "fp16"] | None = None,
+                 process_group: ProcessGroup | None = None, schedule: Schedule = "auto",
+                 store: str | torch.device | None = None) -> None:
         # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
         model, process_group = unwrap_ddp(model, process_group)
         check_args(model, loss_fn, micro_batch_size, bn, schedule)  # as accumnorm.backward would at every step
@@ -70,7 +70,7 @@ class Trainer:
         self.model, self.optimizer, self.loss_fn, self.scheduler = model, optimizer, loss_fn, scheduler
         self.micro_batch_size, self.bn, self.max_grad_norm, self.amp = micro_batch_size, bn, max_grad_norm, amp
         self.process_group, self.schedule, self.store = process_group, schedule, store
-        self.rank, self.world_size = distributed.rank_and_size(process_group)
+        self.rank, self.world_size = _dist.rank_and_size(process_group)
         self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=AMP_DTYPES[amp])
                          if amp else contextlib.nullcontext)
@@ -80,14 +80,14 @@ class Trainer:
         self._epoch_rng: dict | None = None  # RNG states when the current epoch's iterator was made
         self.grad_norm: float | None = None  # total gradient norm before clipping, with max_grad_norm
         if self.world_size > 1:
-            distributed.broadcast_module(model, process_group)  # every rank starts from rank 0's weights
+            _dist.broadcast_module(model, process_group)  # every rank starts from rank 0's weights
 
     # ------------------------------------------------------------------ one step
     def step(self, batch: Any) -> float:
         """One optimizer step over ``batch`` (this rank's shard under a process group); returns the
         mean loss over the whole (global) batch."""
         self.model.zero_grad(set_to_none=True)
-        batch = distributed.map_batch(lambda t: t.to(self.device, non_blocking=True), batch)
+        batch = _dist.map_batch(lambda t: t.to(self.device, non_blocking=True), batch)
         with self.autocast():
             # the gradient of the mean loss over the whole global batch, summed across ranks inside
             loss = backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
@@ -178,7 +178,7 @@ class Trainer:
             "scheduler_class": type(self.scheduler).__name__ if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "step": self.step_count, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-            "rng": distributed.all_gather_object({"now": get_rng(), "epoch_start": self._epoch_rng},
+            "rng": _dist.all_gather_object({"now": get_rng(), "epoch_start": self._epoch_rng},
                                                  self.process_group),
         }
 
