@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..distributed import Collectives, unwrap_ddp
+from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
 from .guards import check_every_call_seen, has_norm_statistics, refuse_unseen_batch_norms, sync_batch_norm_as_local
 from .interrupts import SigintDeferred
@@ -124,8 +124,9 @@ def backward(
         if process_group is not None:  # every sample of the global batch weighs the same
             total = int(collectives.sum_(torch.tensor(total, device=_device(model))).item())
         objective = MicroBatchLoss(loss_fn, [n / total for n in sizes], grad_scaler)
-    # One micro-batch on one process is the whole batch: torch's own BatchNorm is already exact.
-    exact = bn == "exact" and not (len(micro_batches) == 1 and process_group is None)
+    # Even one micro-batch goes through the exact schedule: inside a checkpointed region, torch's own BatchNorm
+    # would update the running statistics a second time in the recomputation.
+    exact = bn == "exact"
     if exact:
         refuse_unseen_batch_norms(model, "passes" if schedule == "passes" else "layerwise")
     store_hooks = store_for(store_device, _device(model))

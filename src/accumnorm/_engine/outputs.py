@@ -64,9 +64,9 @@ class OutputGrads:
     def loss(self, batch_loss: Any) -> Tensor:
         """`batch_loss(whole outputs)`, back-propagated to the outputs; returns the (unscaled) loss."""
         loss, scaled = batch_loss(self.whole)
-        grads = [t for t in self.leaves if t.requires_grad]
-        if scaled.requires_grad:
-            torch.autograd.backward(scaled, inputs=grads)
+        # Everything the loss reaches gets its gradient: the outputs, and any parameter the loss uses itself (a
+        # learnable temperature).
+        scaled.backward()
         return loss
 
     def backward(self, k: int, outputs: Any, inputs: list[Tensor] | None = None) -> None:
