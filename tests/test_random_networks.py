@@ -13,6 +13,13 @@ fixed function of the sample's identity (an id carried in the batch), stays in t
 it draws the same mask for a sample whether the sample comes alone, in a micro-batch or in the whole batch,
 so it puts real masking into the comparison with whole-batch torch. Its mask depends on no activation
 value, so rounding differences between schedules cannot flip it.
+
+Changing networks (the second test). The same networks plus modules whose forward reads a tuple (a padding
+given to F.pad), a list (the order of a permutation) and a float (a gain), each set to other drawn values
+between 2-3 steps on the same model, and random regions (possibly nested) run in
+`torch.utils.checkpoint.checkpoint(use_reentrant=False)`. Every step must match whole-batch torch on a twin
+given the same changes and no checkpointing (torch's own checkpoint recomputation would update running
+statistics a second time).
 """
 from __future__ import annotations
 
@@ -22,11 +29,14 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
 
 import accumnorm
 from helpers import EXACT_SCHEDULES, compare, compare_within_rounding, rel_err, whole_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see conftest.py
 
 C, S, C_IN, MAX_N = 4, 3, 2, 8
 ACTS = {"tanh": nn.Tanh, "silu": nn.SiLU, "gelu": nn.GELU, "softplus": nn.Softplus}
@@ -139,6 +149,62 @@ class Net(nn.Module):
         return self.head(self.body(self.stem(self.pre(x)), ids).mean((2, 3, 4)))
 
 
+class Changing(nn.Module):
+    """A module whose forward reads the attribute named `ATTR`; `planned` holds its value for each step."""
+
+    ATTR = ""
+
+    def __init__(self, planned: list) -> None:
+        super().__init__()
+        self.planned = planned
+        setattr(self, self.ATTR, planned[0])
+
+
+class Pad(Changing):
+    """F.pad by a tuple that pads each spatial dim by 2 in all (split by the tuple), then a valid 3x3x3 conv."""
+
+    ATTR = "pad"
+
+    def __init__(self, planned: list[tuple[int, ...]], mode: str) -> None:
+        super().__init__(planned)
+        self.mode, self.conv = mode, nn.Conv3d(C, C, 3)
+
+    def forward(self, h, ids):
+        assert type(self.pad) is tuple
+        return self.conv(F.pad(h, self.pad, mode=self.mode))
+
+
+class Permute(Changing):
+    """The spatial dims in the order of a list."""
+
+    ATTR = "dims"
+
+    def forward(self, h, ids):
+        assert type(self.dims) is list
+        return h.permute(0, 1, *self.dims)
+
+
+class Gain(Changing):
+    """Activations times a float."""
+
+    ATTR = "gain"
+
+    def forward(self, h, ids):
+        assert type(self.gain) is float
+        return h * self.gain
+
+
+class Region(nn.Module):
+    """A sub-network run in `checkpoint(use_reentrant=False)` while `on` (the oracle turns it off)."""
+
+    def __init__(self, body: Seq) -> None:
+        super().__init__()
+        self.body, self.on = body, True
+
+    def forward(self, h, ids):
+        return checkpoint(self.body, h, ids, use_reentrant=False) if self.on else self.body(h, ids)
+
+
 def loss_fn(model: nn.Module, batch) -> torch.Tensor:
     x, ids, y = batch
     return F.cross_entropy(model(x, ids), y)
@@ -161,24 +227,52 @@ leaf_ops = st.one_of(
 )
 
 
-def ops(depth: int) -> st.SearchStrategy:
-    """A list of ops; branches nest `depth` levels deep (kept small: the passes schedule costs 2L+1 passes)."""
+def ops(depth: int, leaves: st.SearchStrategy = leaf_ops, regions: bool = False) -> st.SearchStrategy:
+    """A list of ops; branches nest `depth` levels deep (kept small: the passes schedule costs 2L+1 passes).
+    `regions`: a branch may also be a checkpointed region."""
     if depth == 0:
-        return st.lists(leaf_ops, min_size=1, max_size=3)
-    inner = ops(depth - 1)
-    return st.lists(st.one_of(leaf_ops, leaf_ops, st.tuples(st.just("residual"), inner),
-                              st.tuples(st.just("concat"), inner, inner)), min_size=1, max_size=4)
+        return st.lists(leaves, min_size=1, max_size=3)
+    inner = ops(depth - 1, leaves, regions)
+    branches = [st.tuples(st.just("residual"), inner), st.tuples(st.just("concat"), inner, inner)]
+    if regions:
+        branches.append(st.tuples(st.just("region"), inner))
+    return st.lists(st.one_of(leaves, leaves, *branches), min_size=1, max_size=4)
 
 
 @st.composite
-def networks(draw) -> dict:
-    body = draw(ops(2))
+def networks(draw, body: st.SearchStrategy | None = None) -> dict:
+    body = draw(ops(2) if body is None else body)
     shared = draw(bn_settings.filter(lambda s: s["stats"] != "eval"))  # a layer called twice, in training mode
     for _ in range(2):
         body.insert(draw(st.integers(0, len(body))), ("shared",))
     n = draw(st.integers(2, MAX_N))
     return {"body": body, "shared": shared, "bn_on_input": draw(st.booleans()), "n": n,
             "micro": draw(st.integers(1, n)), "seed": draw(st.integers(0, 2**16))}
+
+
+STEPS = 3  # the most steps a changing network takes; each changing module plans a value for each
+pads = st.tuples(*[st.integers(0, 2)] * 3).map(lambda p: sum(((a, 2 - a) for a in p), ()))  # 2 per dim in all
+changing_kinds = (  # a tuple, a list and a float attribute, STEPS distinct values each
+    st.tuples(st.just("pad"), st.sampled_from(["constant", "reflect", "replicate", "circular"]),
+              st.lists(pads, min_size=STEPS, max_size=STEPS, unique=True)),
+    st.tuples(st.just("permute"), st.lists(st.permutations([2, 3, 4]), min_size=STEPS, max_size=STEPS,
+                                           unique_by=tuple)),
+    st.tuples(st.just("gain"), st.lists(st.floats(0.25, 4.0), min_size=STEPS, max_size=STEPS, unique=True)),
+)
+
+
+@st.composite
+def changing_networks(draw) -> dict:
+    """`networks` with changing modules and checkpointed regions among the ops, at least one changing module of each
+    kind, and one more region around a random run of the top-level ops (so every network has one)."""
+    spec = draw(networks(ops(2, st.one_of(leaf_ops, *changing_kinds), regions=True)))
+    body = spec["body"]
+    for kind in changing_kinds:
+        body.insert(draw(st.integers(0, len(body))), draw(kind))
+    start = draw(st.integers(0, len(body) - 1))
+    end = draw(st.integers(start + 1, len(body)))
+    body[start:end] = [("region", body[start:end])]
+    return {**spec, "steps": draw(st.integers(2, STEPS))}
 
 
 def build_bn(s: dict) -> Norm:
@@ -216,8 +310,14 @@ def build(spec: dict) -> Net:
                            else Plain(nn.Dropout(p) if args[0] == "torch" else nn.Dropout3d(p)))
             elif kind == "residual":
                 out.append(Residual(seq(args[0])))
-            else:
+            elif kind == "concat":
                 out.append(Concat(seq(args[0]), seq(args[1])))
+            elif kind == "region":
+                out.append(Region(seq(args[0])))
+            elif kind == "pad":
+                out.append(Pad(args[1], args[0]))
+            else:
+                out.append({"permute": Permute, "gain": Gain}[kind](args[0]))
         return Seq(out)
 
     torch.manual_seed(spec["seed"])
@@ -228,24 +328,35 @@ def random_dropouts(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
 
 
+def random_batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n samples (inputs, distinct ids, labels), the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, C_IN, S, S, S, generator=g, dtype=torch.float64), torch.randperm(MAX_N, generator=g)[:n],
+            torch.randint(0, 10, (n,), generator=g))
+
+
+# Random networks can be ill-conditioned (BatchNorm over 2 pooled values, twice): where whole-batch torch over the
+# batch in reverse order (the twin) is already more than 1e-9 off whole-batch torch, SLACK times that sets the scale.
+SLACK = 100
+
+
+def whole_batch_and_reversed(ref: nn.Module, twin: nn.Module, batch) -> torch.Tensor:
+    """The oracle step on `ref` (returns its loss) and, on `twin`, the same step over the batch in reverse order."""
+    whole_batch(twin, tuple(t.flip(0) for t in batch), loss_fn)
+    return whole_batch(ref, batch, loss_fn)
+
+
 @pytest.mark.slow
 @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=networks())
 def test_random_networks_match_whole_batch_in_every_schedule(spec):
     model = build(spec)
-    n = spec["n"]
-    g = torch.Generator().manual_seed(spec["seed"])
-    batch = (torch.randn(n, C_IN, S, S, S, generator=g, dtype=torch.float64), torch.randperm(MAX_N, generator=g)[:n],
-             torch.randint(0, 10, (n,), generator=g))
-    # Random networks can be ill-conditioned (BatchNorm over 2 pooled values, twice): where whole-batch torch
-    # over the batch in reverse order is already more than 1e-9 off whole-batch torch, that sets the scale.
+    batch = random_batch(spec["n"], spec["seed"])
     in_eval = copy.deepcopy(model)
     for m in random_dropouts(in_eval):
         m.eval()
     ref, twin = copy.deepcopy(in_eval), copy.deepcopy(in_eval)
-    expected = whole_batch(ref, batch, loss_fn)
-    whole_batch(twin, tuple(t.flip(0) for t in batch), loss_fn)
-    slack = 100
+    expected = whole_batch_and_reversed(ref, twin, batch)
 
     # (a) with torch's dropout drawing masks: the schedules agree with each other.
     results = {}
@@ -258,13 +369,69 @@ def test_random_networks_match_whole_batch_in_every_schedule(spec):
     for name in ("layerwise",):
         a, loss_a = results[name]
         errs = compare(a, b, float("inf"))
-        worst = max(errs, key=lambda k: errs[k] / max(1e-9, slack * noise[k]))
-        assert errs[worst] <= max(1e-9, slack * noise[worst]), f"{name} vs passes, {worst}: {errs[worst]:.3g}"
+        worst = max(errs, key=lambda k: errs[k] / max(1e-9, SLACK * noise[k]))
+        assert errs[worst] <= max(1e-9, SLACK * noise[worst]), f"{name} vs passes, {worst}: {errs[worst]:.3g}"
         assert rel_err(loss_b, loss_a) < 1e-10, name
 
     # (b) torch's dropout in eval mode, IdDropout masking: every schedule matches whole-batch torch.
     for name in EXACT_SCHEDULES:
         ours = copy.deepcopy(in_eval)
         loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=spec["micro"], schedule=name)
-        compare_within_rounding(ref, twin, ours, 1e-9, slack)
+        compare_within_rounding(ref, twin, ours, 1e-9, SLACK)
         assert rel_err(loss, expected) < 1e-10, name
+
+
+def set_step(model: nn.Module, step: int) -> None:
+    """Every changing module's attribute to its value for `step`."""
+    for m in model.modules():
+        if isinstance(m, Changing):
+            setattr(m, m.ATTR, m.planned[step])
+
+
+def without_checkpointing(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, Region):
+            m.on = False
+    return model
+
+
+@pytest.mark.slow
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=changing_networks())
+def test_changing_networks_with_checkpointed_regions_match_whole_batch_in_every_schedule(spec):
+    """2-3 steps on the same models (gradients zeroed between steps, running statistics carried on), the tuple,
+    list and float attributes set to other values before each: every step of every schedule, with its regions
+    checkpointed, matches whole-batch torch with the same attributes and no checkpointing. Torch's dropout
+    layers are in eval mode (IdDropout masks), as in part (b) above."""
+    model = build(spec)
+    for m in random_dropouts(model):
+        m.eval()
+    assert any(isinstance(m, Region) for m in model.modules())
+    ref, twin = (without_checkpointing(copy.deepcopy(model)) for _ in range(2))
+    ours = {name: copy.deepcopy(model) for name in EXACT_SCHEDULES}
+    for step in range(spec["steps"]):
+        batch = random_batch(spec["n"], spec["seed"] + step)
+        for m in (ref, twin, *ours.values()):
+            m.zero_grad()
+            set_step(m, step)
+        expected = whole_batch_and_reversed(ref, twin, batch)
+        for name, m in ours.items():
+            note(f"schedule {name}, step {step}")
+            loss = accumnorm.backward(m, batch, loss_fn, micro_batch_size=spec["micro"], schedule=name)
+            assert rel_err(loss, expected) < 1e-10, f"{name}, step {step}"
+            compare_within_rounding(ref, twin, m, 1e-9, SLACK)
+
+
+def test_one_micro_batch_around_a_checkpointed_region(schedule):
+    """micro_batch_size >= the batch still goes through the step: torch's own checkpoint recomputation would update
+    the running statistics a second time (num_batches_tracked 2, running_mean O(1) off)."""
+    bn = {"kind": "3d", "momentum": 0.1, "affine": "yes", "stats": "track"}
+    spec = {"body": [("region", [("conv", 3), ("bn", bn), ("act", "tanh")])], "shared": bn, "bn_on_input": False,
+            "n": 4, "seed": 0}
+    model = build(spec)
+    ref = without_checkpointing(copy.deepcopy(model))
+    batch = random_batch(spec["n"], spec["seed"])
+    expected = whole_batch(ref, batch, loss_fn)
+    loss = accumnorm.backward(model, batch, loss_fn, micro_batch_size=spec["n"], schedule=schedule)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
