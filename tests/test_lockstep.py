@@ -34,35 +34,25 @@ def test_loss_fn_runs_once_per_micro_batch_on_the_callers_thread():
     assert seen == [(threading.get_ident(), torch.get_num_threads(), n) for n in (3, 3, 3, 1)]
 
 
-class Padded(nn.Module):
-    """A user module that branches on a tuple, a list and a float attribute: no trace can bake them in."""
-
-    def __init__(self, bn: bool) -> None:
-        super().__init__()
-        self.pad, self.order, self.gain = (1, 1, 1, 1), [0, 1, 2, 3], 1.0
-        self.conv = nn.Conv2d(2, 4, 3)
-        self.permute = torchvision.ops.misc.Permute([0, 1, 2, 3])
-        self.bn = nn.BatchNorm2d(4) if bn else nn.Identity()
-        self.head = nn.Linear(4, 10)
-
-    def forward(self, x):
-        x = F.pad(x, self.pad).permute(*self.order)
-        x = self.bn(self.permute(self.conv(x.contiguous())) * self.gain)
-        return self.head(torch.tanh(x).mean((2, 3)))
+def padded(bn: bool) -> nn.Sequential:
+    """torch's and torchvision's modules only, with a tuple (ZeroPad2d.padding) and a list (Permute.dims) that their
+    forwards read, and a head that sees where each value went: what a replayed graph would bake in."""
+    return nn.Sequential(nn.ZeroPad2d((1, 1, 1, 1)), nn.Conv2d(2, 4, 3), torchvision.ops.misc.Permute([0, 1, 2, 3]),
+                         nn.BatchNorm2d(4) if bn else nn.Identity(), nn.Tanh(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
 
 
 @pytest.mark.parametrize("bn", [True, False], ids=["batchnorm", "no-batchnorm"])
 def test_attributes_changed_between_steps_take_effect(schedule, bn):
-    """Tuples, lists and floats set between steps (torchvision's Permute.dims among them) are what the next step
-    runs, with or without BatchNorm: every step equals whole-batch torch with the same attributes."""
-    model = Padded(bn).double()
+    """Tuples and lists set between steps (torchvision's Permute.dims, a padding) are what the next step runs, with
+    or without BatchNorm: every step equals whole-batch torch with the same attributes."""
+    model = padded(bn).double()
     ref = copy.deepcopy(model)
     batch = data((2, 6, 6), 8, torch.float64)
-    changes = [{}, {"pad": (2, 0, 0, 2), "order": [0, 1, 3, 2]}, {"gain": 0.25}, {"dims": [0, 1, 3, 2]}]
+    changes = [{}, {(0, "padding"): (2, 0, 0, 2)}, {(2, "dims"): [0, 1, 3, 2]}, {(0, "padding"): (0, 2, 2, 0)}]
     for change in changes:
         for m in (model, ref):
-            for name, value in change.items():
-                setattr(m.permute if name == "dims" else m, name, value)
+            for (index, name), value in change.items():
+                setattr(m[index], name, value)
             m.zero_grad(set_to_none=True)
         expected = whole_batch(ref, batch)
         loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, schedule=schedule)

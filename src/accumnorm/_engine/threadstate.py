@@ -82,7 +82,7 @@ class ThreadState:
         return cls(
             Modes.current(),
             tuple(_C._get_function_stack_at(i) for i in range(_C._len_torch_function_stack())),
-            _C._get_torch_function_state(),
+            _torch_function_state(),
             tuple(_C._get_dispatch_stack_at(i) for i in range(_C._len_torch_dispatch_stack())),
             saved_tensor_hooks(),
             None if _C._autograd._saved_tensors_hooks_is_enabled()
@@ -114,7 +114,7 @@ class ThreadState:
             for mode in self.function_modes:
                 _C._push_on_torch_function_stack(mode)
         if self.function_state != current.function_state:
-            _C._set_torch_function_state(self.function_state)
+            _C._set_torch_function_state(self.function_state)  # torch >= 2.6; always equal before (see below)
         if self.dispatch_modes != current.dispatch_modes:
             while _C._len_torch_dispatch_stack():
                 _C._pop_torch_dispatch_stack(None)
@@ -154,6 +154,13 @@ def saved_tensor_hooks() -> tuple[tuple[Any, Any], ...]:
         for pack, unpack in reversed(popped):
             _C._autograd._push_saved_tensors_default_hooks(pack, unpack)
     return tuple(reversed(popped))
+
+
+def _torch_function_state() -> Any:
+    """Whether torch-function handling is on, off for subclasses, or off; None on torch < 2.6, which cannot set it
+    (a switch happens inside the step's mode, where it is on)."""
+    get = getattr(_C, "_get_torch_function_state", None)
+    return get() if get is not None else None
 
 
 def _keys() -> tuple[int, int]:
