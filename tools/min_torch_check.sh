@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The oldest torch accumnorm claims (pyproject's torch>=...), in a fresh virtual environment: the core smoke test and
+# the engine's tests on CPU. Not part of CI (it downloads another torch); its output goes with a release's notes.
+#
+#   tools/min_torch_check.sh 2.8.0 0.23.0
+set -euo pipefail
+version=${1:?usage: tools/min_torch_check.sh TORCH_VERSION TORCHVISION_VERSION}
+vision=${2:?usage: tools/min_torch_check.sh TORCH_VERSION TORCHVISION_VERSION}
+cd "$(dirname "$0")/.."
+venv=$(mktemp -d)/venv
+python -m venv "$venv"
+"$venv/bin/python" -m pip install -q "torch==$version" "torchvision==$vision" "greenlet>=3.0" numpy pytest hypothesis
+"$venv/bin/python" -m pip install -q --no-deps .
+"$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
+"$venv/bin/python" tools/core_smoke.py
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_accumulation.py tests/test_schedules.py \
+    tests/test_lockstep.py tests/test_trust.py tests/test_checkpoint.py tests/test_batch_loss.py tests/test_functional.py
