@@ -12,9 +12,9 @@ from collections.abc import Sequence
 # bn-exact's 2L+1 = 9 passes over 16 micro-batches are the grid's longest task (it gets a worker of its
 # own). 3 runs give a spread; 260 steps give one evaluation after step 250, where the summary starts.
 QUICK = dict(dataset="digits16", norms="bn,bn-exact,gn4", configs="16x1,1x16", runs=3, iterations=260, eval_every=65)
-# --task simclr --quick: every method at 4x4 on the same offline digits, 2 runs of 20 steps: a demo of the
+# --task simclr --quick: every method at 4x4 on the same offline digits, 2 runs of 10 steps: a demo of the
 # files in well under a minute, too short to separate the methods (docs/study/simclr.md has the real study).
-SIMCLR_QUICK = dict(dataset="digits16", configs="4x4", runs=2, iterations=20, eval_every=10)
+SIMCLR_QUICK = dict(dataset="digits16", configs="4x4", runs=2, iterations=10, eval_every=5)
 QUICKS = {"bn": QUICK, "simclr": SIMCLR_QUICK}
 ONLY = {"norms": "bn", "methods": "simclr", "temperature": "simclr"}  # options of one task only
 
