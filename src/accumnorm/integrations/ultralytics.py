@@ -1,0 +1,160 @@
+"""Exact gradient accumulation in ultralytics' own trainer: each batch's loss and BatchNorm whole, in micro-batches.
+
+    from ultralytics import YOLO
+    from accumnorm.integrations.ultralytics import exact_trainer
+
+    YOLO("yolov8n.yaml").train(data="coco8.yaml", batch=64, trainer=exact_trainer(micro_batch_size=8))
+
+Every batch the trainer loads is one optimizer step. Its images go through the model `micro_batch_size` at a
+time, and ultralytics' loss is taken once over the whole batch's outputs: the gradient of one forward/backward
+of the whole batch (`accumnorm.backward`'s whole-batch form), BatchNorm statistics included. ultralytics' own
+accumulation (`batch` below `nbs`: it accumulates round(nbs / batch) batches) is plain accumulation twice over:
+each batch's BatchNorm statistics are its own, and `v8DetectionLoss` divides each batch's class and box terms
+by that batch's `target_scores_sum`.
+
+The training loop stays ultralytics' (augmentation, warmup, AMP, EMA, validation, checkpoints, callbacks).
+`exact_trainer` subclasses a trainer class (DetectionTrainer by default; any whose model computes its training
+loss as `model.loss(batch)`: segment, pose, obb) so that the model it builds gets an exact `loss`: in training,
+`loss(batch)` puts the gradient of the whole batch into `.grad` and returns the loss as a tensor detached from
+the model, so the trainer's `scaler.scale(loss).backward()` adds nothing more; under fp16 AMP the trainer's
+GradScaler scales it, as the trainer's own backward would. Copies and pickles of that model (the EMA,
+`last.pt`, `best.pt`) are of ultralytics' own class: checkpoints load without accumnorm.
+
+Refused when training starts (a ValueError naming what to change): ultralytics' own accumulation (batch <
+nbs, also after an out-of-memory retry halved the batch), `compile=True` (its loop then takes the loss of a
+whole-batch forward), several GPUs (the whole-batch loss form runs in one process), a model the trainer
+replaced after building it (distillation, quantization-aware training).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+import accumnorm
+
+from .._engine.args import check_args
+
+os.environ.setdefault("YOLO_OFFLINE", "1")  # else ultralytics looks up DNS names when it is imported
+try:
+    from ultralytics.models.yolo.detect import DetectionTrainer
+    from ultralytics.utils.torch_utils import unwrap_model
+except ImportError as err:  # an optional integration: the core needs only torch
+    raise ImportError("accumnorm.integrations.ultralytics needs ultralytics: pip install ultralytics") from err
+
+__all__ = ["exact_trainer", "exact_loss"]
+
+
+class _Options:
+    """What the model's exact loss passes to accumnorm.backward; the trainer adds its GradScaler."""
+
+    def __init__(self, micro_batch_size: int, bn: str, schedule: str) -> None:
+        self.micro_batch_size, self.bn, self.schedule = micro_batch_size, bn, schedule
+        self.grad_scaler: torch.amp.GradScaler | None = None
+
+
+def _predict(model: nn.Module, images: torch.Tensor) -> Any:
+    return model(images)  # a tensor is a prediction; in train mode a dict of maps with one row per image
+
+
+class _ExactLoss:
+    """Put before an ultralytics model's class: `loss(batch)` in training through `accumnorm.backward`."""
+
+    _accumnorm_base: type
+
+    def loss(self, batch: dict[str, Any], preds: Any = None) -> tuple[torch.Tensor, Any]:
+        options = self.__dict__.get("_accumnorm")
+        if preds is not None or options is None or not self.training or not torch.is_grad_enabled():
+            return super().loss(batch, preds)  # validation, or the caller already ran the whole batch's forward
+        result: dict[str, Any] = {}
+
+        def batch_loss(outputs: Any, targets: dict[str, Any]) -> torch.Tensor:
+            loss, result["items"] = super(_ExactLoss, self).loss(targets, outputs)  # the whole batch's
+            result["loss"] = loss.detach()
+            return loss.sum()  # what the trainer back-propagates
+
+        accumnorm.backward(self, batch["img"], micro_batch_size=options.micro_batch_size, forward_fn=_predict,
+                           batch_loss_fn=batch_loss, targets=batch, bn=options.bn, schedule=options.schedule,
+                           grad_scaler=options.grad_scaler)
+        # A leaf: the trainer's backward of it reaches no parameter; the gradient is in .grad already.
+        return result["loss"].requires_grad_(), result["items"]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copies and pickles are of ultralytics' class, without accumnorm's options: deepcopy (the EMA) and
+        torch.save (checkpoints) give ultralytics' own model, made as object's reduction would make it."""
+        _, _, state, *rest = super().__reduce_ex__(max(protocol, 2))
+        if isinstance(state, dict):
+            state = {k: v for k, v in state.items() if k != "_accumnorm"}
+        return (object.__new__, (self._accumnorm_base,), state, *rest)
+
+
+@functools.cache
+def _exact_class(cls: type) -> type:
+    return type(f"Exact{cls.__name__}", (_ExactLoss, cls), {"_accumnorm_base": cls, "__module__": cls.__module__})
+
+
+def exact_loss(model: nn.Module, micro_batch_size: int, *, bn: str = "exact", schedule: str = "auto") -> nn.Module:
+    """Make `model` (an ultralytics model, e.g. DetectionModel) compute its training loss exactly in micro-batches.
+
+    In place; returns `model`. In training with grad enabled, `model.loss(batch)` (what `model(batch)` calls)
+    adds to `.grad` the gradient of the loss over the whole batch, running `micro_batch_size` images at a time,
+    and returns ultralytics' (loss, loss items) with the loss detached. `bn="micro"` keeps the loss whole but
+    BatchNorm per micro-batch (GradCache's scheme); `schedule` as for `accumnorm.backward`.
+    """
+    if not callable(getattr(model, "loss", None)):
+        raise TypeError(f"expected an ultralytics model with a loss(batch, preds) method, got {type(model).__name__}")
+    check_args(model, None, micro_batch_size, bn, schedule, forward_fn=_predict, batch_loss_fn=_predict)
+    base = model._accumnorm_base if isinstance(model, _ExactLoss) else type(model)
+    model.__class__ = _exact_class(base)
+    model._accumnorm = _Options(micro_batch_size, bn, schedule)
+    return model
+
+
+def _check_trainer(trainer: Any) -> None:
+    """Refuse, naming what to change, a trainer set up to train other than exactly (module doc)."""
+    accumulate = max(round(trainer.args.nbs / trainer.batch_size), 1)
+    if accumulate > 1:
+        raise ValueError(f"ultralytics would accumulate {accumulate} batches of {trainer.batch_size} per optimizer "
+                         f"step (nbs={trainer.args.nbs}), each with its own BatchNorm statistics and loss "
+                         "normalization: "
+                         f"set batch >= nbs (e.g. batch={trainer.args.nbs}), the batch of one step, and let "
+                         "micro_batch_size set the images per forward")
+    if trainer.args.compile:
+        raise ValueError("compile=True makes ultralytics take the loss of a whole-batch forward: use compile=False")
+    if trainer.world_size > 1:
+        raise ValueError(f"training on {trainer.world_size} devices: exact accumulation of a whole-batch loss runs in "
+                         "one process; train on one device")
+    if "_accumnorm" not in unwrap_model(trainer.model).__dict__:
+        raise ValueError(f"the trainer's model ({type(unwrap_model(trainer.model)).__name__}) is not the one "
+                         "get_model built (distillation or quantization-aware training replace it): not supported")
+
+
+def exact_trainer(micro_batch_size: int, trainer: type | None = None, *, bn: str = "exact",
+                  schedule: str = "auto") -> type:
+    """A subclass of `trainer` (default: ultralytics' DetectionTrainer) whose steps are exact in micro-batches.
+
+    Pass it to `YOLO(...).train(trainer=...)`, or construct it as the trainer itself (`overrides=...`). Each batch
+    the trainer loads (`batch` images, at least `nbs`) is one optimizer step, run `micro_batch_size` images at a
+    time; see the module doc for what is refused.
+    """
+    base = trainer or DetectionTrainer
+
+    class ExactTrainer(base):  # type: ignore[valid-type, misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.add_callback("on_pretrain_routine_end", _set_up)
+            self.add_callback("on_train_batch_start", _check_trainer)  # an out-of-memory retry halves the batch
+
+        def get_model(self, *args: Any, **kwargs: Any) -> nn.Module:
+            return exact_loss(super().get_model(*args, **kwargs), micro_batch_size, bn=bn, schedule=schedule)
+
+    ExactTrainer.__name__ = ExactTrainer.__qualname__ = f"Exact{base.__name__}"
+    return ExactTrainer
+
+
+def _set_up(trainer: Any) -> None:
+    _check_trainer(trainer)
+    unwrap_model(trainer.model)._accumnorm.grad_scaler = trainer.scaler
