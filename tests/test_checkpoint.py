@@ -91,14 +91,17 @@ class Reentrant(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def test_reentrant_checkpoint_around_batchnorm_is_refused_saying_what_to_use(schedule):
+@pytest.mark.parametrize("micro_batch_size", [3, 8])
+def test_reentrant_checkpoint_around_batchnorm_is_refused_saying_what_to_use(schedule, micro_batch_size):
+    """Refused at any split, one micro-batch included: its recomputation would update the running statistics a
+    second time, outside the step. bn='micro' is torch's own accumulation and runs it."""
     model = Reentrant()
     batch = (torch.randn(8, 1, 6, 6, requires_grad=True), torch.randint(0, 10, (8,)))
-    accumnorm.backward(model, batch, ce_loss, micro_batch_size=8, schedule=schedule)  # one micro-batch: torch's own
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, bn="micro")
     snap = snapshot(model)
     state = torch.random.get_rng_state()
     with pytest.raises(ValueError, match=r"use_reentrant=True.*Use torch.utils.checkpoint\(\.\.\., use_reentrant=F"):
-        accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=micro_batch_size, schedule=schedule)
     assert_unchanged(model, snap)
     assert torch.equal(torch.random.get_rng_state(), state)
 

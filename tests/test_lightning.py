@@ -19,6 +19,7 @@ from helpers import (
     assert_ranks_ended_well,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
+    assert_state_within_rounding,
     launch_ranks,
     train_whole_batch,
 )
@@ -70,8 +71,9 @@ def test_trainer_equals_whole_batch_training_and_resumes_from_its_checkpoint(tmp
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_plugins_autocast_and_scale(precision):
     """bf16-mixed, and 16-mixed with Lightning's GradScaler (its CUDA set-up, given to a CPU run as a plugin):
-    the forward runs in the low precision and the steps are whole-batch PyTorch's under the same autocast
-    (a gradient left scaled, or unscaled twice, would be off by the scale, 2**12)."""
+    the forward runs in the low precision, and the trained state is as close to float64 whole-batch training as
+    whole-batch PyTorch under the same autocast is (a gradient left scaled, or unscaled twice, would be off by the
+    scale, 2**12)."""
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[precision]
     data = tiny_dataset(16, torch.float32)
     model = lit_classifier()(accumnorm.convert(tiny_bn(torch.float32)), micro_batch_size=3)
@@ -84,9 +86,11 @@ def test_mixed_precision_plugins_autocast_and_scale(precision):
     assert seen == {dtype}
     if precision == "16-mixed":
         assert run.precision_plugin.scaler.get_scale() == 2.0**12  # no step overflowed
-    oracle = tiny_bn(torch.float32)
+    oracle, truth = tiny_bn(torch.float32), tiny_bn(torch.float64)
     train_whole_batch(oracle, batches(data, 8, 3), max_grad_norm=CLIP, autocast=dtype)
-    assert_state_close(model.net.state_dict(), oracle.state_dict(), 2e-2)
+    train_whole_batch(truth, [(x.double(), y) for x, y in batches(data, 8, 3)], max_grad_norm=CLIP)
+    assert_state_within_rounding(model.net.state_dict(), oracle.state_dict(), truth.state_dict(),
+                                 tol=torch.finfo(dtype).eps, slack=2.0)
 
 
 # name: (class attributes that replace the test module's, Trainer arguments, what to do to the model or
