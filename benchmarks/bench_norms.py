@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import accumnorm
-from accumnorm.study.model import EXACT_BN, SimpleModel, norm_fn
+from accumnorm.study._model import EXACT_BN, SimpleModel, norm_fn
 
 NORMS = ("bn", "bn-exact", "brn", "bn-stale", "frn", "evonorm-s0", "gn16", "in")
 

@@ -68,7 +68,7 @@ def main() -> None:
             base_acc.setdefault(norm, []).append(result["evals"][-1][2])
 
     with tempfile.TemporaryDirectory() as tmp:
-        ours_wall, ours_cpu, _ = timed([sys.executable, "-m", "accumnorm.cli", "study", "--dataset", "mnist",
+        ours_wall, ours_cpu, _ = timed([sys.executable, "-m", "accumnorm._cli", "study", "--dataset", "mnist",
                                         "--data-dir", a.data_dir, "--norms", a.norms, "--configs", a.config,
                                         "--runs", str(a.runs), "--iterations", str(a.iterations),
                                         "--eval-every", str(a.iterations), "--threads", str(a.threads), "--device",

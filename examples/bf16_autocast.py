@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import accumnorm
-from accumnorm.study.data import load_dataset
-from accumnorm.study.model import SimpleModel
+from accumnorm.study import SimpleModel, load_dataset
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")

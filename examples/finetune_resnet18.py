@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torchvision
 
 import accumnorm
-from accumnorm.study.data import load_dataset
+from accumnorm.study import load_dataset
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")

@@ -5,11 +5,11 @@ import pytest
 from torch import nn
 
 import accumnorm.study
-from accumnorm.cli import QUICK, main
+from accumnorm._cli import QUICK, main
 from accumnorm.study import StudySettings
-from accumnorm.study.data import load_dataset
-from accumnorm.study.model import SimpleModel
-from accumnorm.study.report import AFTER_STEP
+from accumnorm.study._data import load_dataset
+from accumnorm.study._model import SimpleModel
+from accumnorm.study._report import AFTER_STEP
 
 
 def test_bad_config_string_is_a_clear_error_and_writes_nothing(tmp_path, capsys):

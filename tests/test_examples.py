@@ -1,6 +1,7 @@
 """Every script in examples/ runs on a tiny slice of MNIST and prints its final metric.
 
-examples/ddp.py runs in tests/test_distributed.py, under torchrun and in one process.
+examples/ddp.py runs in tests/test_distributed.py, under torchrun and in one process; examples/yolov8n_detection.py
+on synthetic images, below.
 """
 import re
 import subprocess
@@ -25,12 +26,13 @@ RUNS = {  # name: (script, arguments besides TINY)
                                                "--precision", "bf16-mixed"]),
     "accelerate_mnist": ("accelerate_mnist.py", ["--steps", "3", "--batch-size", "8", "--micro-batch-size", "4",
                                                  "--checkpoint", "{tmp}/state"]),
+    "simclr_mnist": ("simclr_mnist.py", ["--steps", "2", "--batch-size", "8", "--micro-batch-size", "4"]),
 }
 
 
 def test_every_example_is_run_by_a_test():
     scripts = {path.name for path in (ROOT / "examples").glob("*.py")}
-    assert scripts == {script for script, _ in RUNS.values()} | {"ddp.py"}
+    assert scripts == {script for script, _ in RUNS.values()} | {"ddp.py", "yolov8n_detection.py"}
 
 
 @pytest.mark.slow
@@ -47,3 +49,16 @@ def test_example_prints_its_final_metric(run, tmp_path):
     assert found and 0 <= float(found.group(1)) <= 1, proc.stdout[-2000:]
     if "--checkpoint" in args:
         assert (tmp_path / "state" / "optimizer.bin").is_file()
+
+
+@pytest.mark.slow
+def test_yolov8n_example_takes_the_whole_batch_gradient_and_prints_its_loss(tmp_path):
+    """Its first step checks itself against a whole-batch forward/backward: accumnorm's gradient is that one (up
+    to float32 rounding), plain accumulation's is not."""
+    args = ["--steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--imgsz", "64"]
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "yolov8n_detection.py"), *args], cwd=tmp_path,
+                          env=cpu_env(YOLO_OFFLINE="1"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    check = re.search(r"accumnorm (\S+), plain accumulation (\S+)", proc.stdout)
+    assert check and float(check.group(1)) < 1e-3 < 1e-2 < float(check.group(2)), proc.stdout[-2000:]
+    assert re.search(r"final loss \d+\.\d+ after 2 steps of 4 images in micro-batches of 2", proc.stdout), proc.stdout

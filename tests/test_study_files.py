@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-from accumnorm.study import StudySettings, run_study, runner
+from accumnorm.study import StudySettings, run_study
+from accumnorm.study import _runner as runner
 
 SETTINGS = StudySettings(dataset="digits", norms=("none",), configs=("2x2",), runs=2, iterations=4, eval_every=2)
 

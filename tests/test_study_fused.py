@@ -7,9 +7,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from accumnorm.study import StudySettings, run_study, runner
-from accumnorm.study.fused import fusable, use_ghost_batches
-from accumnorm.study.model import SimpleModel, StackedModel, norm_fn
+from accumnorm.study import StudySettings, run_study
+from accumnorm.study import _runner as runner
+from accumnorm.study._fused import fusable, use_ghost_batches
+from accumnorm.study._model import SimpleModel, StackedModel, norm_fn
 
 FUSABLE = ["bn", "gn4", "in", "none", "frn", "evonorm-s0", "ln"]
 

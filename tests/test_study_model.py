@@ -6,7 +6,7 @@ from torch import nn
 
 import accumnorm
 from accumnorm.study import StudySettings
-from accumnorm.study.model import SimpleModel, SingleRun, StackedModel, norm_fn, stackable
+from accumnorm.study._model import SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 
 R = 3
 STACKABLE = ["bn", "bn-exact", "gn4", "gn16", "in", "none", "gn8", "bn2d",  # study names and accumnorm names

@@ -6,9 +6,10 @@ import urllib.error
 import pytest
 import torch
 
-from accumnorm.study import StudySettings, parse_config, run_study, runner
-from accumnorm.study.report import finding, summary_cells
-from accumnorm.study.runner import data_order
+from accumnorm.study import StudySettings, parse_config, run_study
+from accumnorm.study import _runner as runner
+from accumnorm.study._report import finding, summary_cells
+from accumnorm.study._runner import data_order
 
 TINY = dict(dataset="digits", iterations=4, eval_every=2, runs=2)
 FILES = ("results.csv", "summary.md", "curves.png", "report.html", "settings.json")

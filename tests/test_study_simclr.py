@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accumnorm.cli import SIMCLR_QUICK, main
+from accumnorm._cli import SIMCLR_QUICK, main
 from accumnorm.study import SimCLRSettings, run_study
-from accumnorm.study import simclr as simclr_module
-from accumnorm.study.data import Dataset
-from accumnorm.study.simclr import METHODS, SIMCLR, WHOLE, SimCLRNet, linear_probe, nt_xent, train_step, two_views
-from accumnorm.study.simclr_report import finding
+from accumnorm.study import _simclr as simclr_module
+from accumnorm.study._data import Dataset
+from accumnorm.study._simclr import METHODS, SIMCLR, WHOLE, SimCLRNet, linear_probe, nt_xent, train_step, two_views
+from accumnorm.study._simclr_report import finding
 from helpers import rel_err
 
 

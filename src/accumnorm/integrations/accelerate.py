@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .._dist import map_batch
-from .._engine.args import Batch
+from .._engine.args import Batch, BNMode, Schedule
 from .._engine.backward import backward
 from .._engine.objective import LossFn
 from ._checks import backward_options, check_optimizer
@@ -80,7 +80,7 @@ class ExactAccumulator:
     """
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: AcceleratedOptimizer, loss_fn: LossFn,
-                 *, micro_batch_size: int, bn: str = "exact", schedule: str = "auto",
+                 *, micro_batch_size: int, bn: BNMode = "exact", schedule: Schedule = "auto",
                  store: str | torch.device | None = None) -> None:
         self.options = backward_options(model, loss_fn, micro_batch_size=micro_batch_size, bn=bn, schedule=schedule,
                                         store=store)

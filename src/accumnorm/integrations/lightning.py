@@ -41,6 +41,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
+from .._engine.args import BNMode, Schedule
 from .._engine.backward import backward
 from ._checks import backward_options, check_optimizer
 
@@ -88,7 +89,7 @@ class ExactAccumulation:
         >>> L.Trainer(max_steps=10).fit(Model(), DataLoader(train_set, batch_size=32))
     """
 
-    def __init__(self, *args: Any, micro_batch_size: int, bn: str = "exact", schedule: str = "auto",
+    def __init__(self, *args: Any, micro_batch_size: int, bn: BNMode = "exact", schedule: Schedule = "auto",
                  store: str | torch.device | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self, pl.LightningModule):

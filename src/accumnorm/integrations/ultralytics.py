@@ -36,7 +36,7 @@ from torch import nn
 
 import accumnorm
 
-from .._engine.args import check_args
+from .._engine.args import BNMode, Schedule, check_args
 
 os.environ.setdefault("YOLO_OFFLINE", "1")  # else ultralytics looks up DNS names when it is imported
 try:
@@ -51,7 +51,7 @@ __all__ = ["exact_trainer", "exact_loss"]
 class _Options:
     """What the model's exact loss passes to accumnorm.backward; the trainer adds its GradScaler."""
 
-    def __init__(self, micro_batch_size: int, bn: str, schedule: str) -> None:
+    def __init__(self, micro_batch_size: int, bn: BNMode, schedule: Schedule) -> None:
         self.micro_batch_size, self.bn, self.schedule = micro_batch_size, bn, schedule
         self.grad_scaler: torch.amp.GradScaler | None = None
 
@@ -96,7 +96,8 @@ def _exact_class(cls: type) -> type:
     return type(f"Exact{cls.__name__}", (_ExactLoss, cls), {"_accumnorm_base": cls, "__module__": cls.__module__})
 
 
-def exact_loss(model: nn.Module, micro_batch_size: int, *, bn: str = "exact", schedule: str = "auto") -> nn.Module:
+def exact_loss(model: nn.Module, micro_batch_size: int, *, bn: BNMode = "exact",
+               schedule: Schedule = "auto") -> nn.Module:
     """Make `model` (an ultralytics model, e.g. DetectionModel) compute its training loss exactly in micro-batches.
 
     In place; returns `model`. In training with grad enabled, `model.loss(batch)` (what `model(batch)` calls)
@@ -132,8 +133,8 @@ def _check_trainer(trainer: Any) -> None:
                          "get_model built (distillation or quantization-aware training replace it): not supported")
 
 
-def exact_trainer(micro_batch_size: int, trainer: type | None = None, *, bn: str = "exact",
-                  schedule: str = "auto") -> type:
+def exact_trainer(micro_batch_size: int, trainer: type | None = None, *, bn: BNMode = "exact",
+                  schedule: Schedule = "auto") -> type:
     """A subclass of `trainer` (default: ultralytics' DetectionTrainer) whose steps are exact in micro-batches.
 
     Pass it to `YOLO(...).train(trainer=...)`, or construct it as the trainer itself (`overrides=...`). Each batch

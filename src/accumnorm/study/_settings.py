@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .model import SimpleModel, norm_fn
+from ._model import SimpleModel, norm_fn
 
 _CONFIG = re.compile(r"(\d+)x(\d+)")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .report import Cell, cell_results, config_label, curves_png, grid_table, versus, write_files
-from .settings import parse_config
-from .simclr import WHOLE, SimCLRSettings, whole_cell
+from ._report import Cell, cell_results, config_label, curves_png, grid_table, versus, write_files
+from ._settings import parse_config
+from ._simclr import WHOLE, SimCLRSettings, whole_cell
 
 __all__ = ["write_report", "finding", "last_evaluation"]
 

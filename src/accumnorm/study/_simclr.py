@@ -39,9 +39,9 @@ from torch import nn
 
 import accumnorm
 
-from .data import Dataset
-from .runner import data_order
-from .settings import check_grid, check_positive_float, parse_config
+from ._data import Dataset
+from ._runner import data_order
+from ._settings import check_grid, check_positive_float, parse_config
 
 __all__ = ["SimCLRSettings", "SimCLRNet", "METHODS", "WHOLE", "SIMCLR", "two_views", "nt_xent", "project",
            "train_step", "linear_probe"]
@@ -273,7 +273,7 @@ class _SimCLRTask:
 
     def report(self, out: Path, settings: SimCLRSettings, rows: list[dict[str, Any]],
                failures: dict[tuple[str, int, int], str], **info: Any) -> None:
-        from .simclr_report import write_report
+        from ._simclr_report import write_report
 
         write_report(out, settings, rows, failures, **info)
 

@@ -70,8 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from accumnorm.study import run_study
-    from accumnorm.study.settings import check_positive_int
-    from accumnorm.study.tasks import settings_class
+    from accumnorm.study._settings import check_positive_int
+    from accumnorm.study._tasks import settings_class
 
     given = {k: v for k, v in vars(args).items() if v is not None}
     task = given.pop("task", "bn")

@@ -40,11 +40,11 @@ class StudyTask(Protocol):
 def settings_class(task: str) -> type:
     """The settings dataclass of the task named `task` (one of TASKS)."""
     if task == "bn":
-        from .settings import StudySettings
+        from ._settings import StudySettings
 
         return StudySettings
     if task == "simclr":
-        from .simclr import SimCLRSettings
+        from ._simclr import SimCLRSettings
 
         return SimCLRSettings
     raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
@@ -52,9 +52,9 @@ def settings_class(task: str) -> type:
 
 def study_task(settings: Any) -> StudyTask:
     """The task that `settings` (a StudySettings or a SimCLRSettings) describe."""
-    from .runner import NORM_STUDY
-    from .settings import StudySettings
-    from .simclr import SIMCLR, SimCLRSettings
+    from ._runner import NORM_STUDY
+    from ._settings import StudySettings
+    from ._simclr import SIMCLR, SimCLRSettings
 
     if isinstance(settings, StudySettings):
         return NORM_STUDY

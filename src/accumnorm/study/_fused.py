@@ -29,7 +29,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ..layers import EvoNorm2dS0, FilterResponseNorm2d
-from .model import SimpleModel, SingleRun, StackedConv2d, StackedModel
+from ._model import SimpleModel, SingleRun, StackedConv2d, StackedModel
 
 __all__ = ["fusable", "use_ghost_batches", "ghost_batch_norm"]
 

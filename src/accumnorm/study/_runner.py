@@ -42,16 +42,16 @@ from torch import nn
 
 import accumnorm
 
-from . import store
-from .data import OFFLINE, Dataset, load_dataset
-from .fused import fusable, use_ghost_batches
-from .model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
-from .report import write_report
-from .settings import StudySettings, check_positive_int, parse_config
-from .tasks import study_task
+from . import _store as store
+from ._data import OFFLINE, Dataset, load_dataset
+from ._fused import fusable, use_ghost_batches
+from ._model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
+from ._report import write_report
+from ._settings import StudySettings, check_positive_int, parse_config
+from ._tasks import study_task
 
 if TYPE_CHECKING:
-    from .simclr import SimCLRSettings
+    from ._simclr import SimCLRSettings
 
 __all__ = ["run_study", "data_order", "evaluate", "Task", "eval_batch", "NORM_STUDY"]
 
@@ -83,7 +83,7 @@ def run_study(out: str | Path, settings: StudySettings | SimCLRSettings | None =
     """Run (or resume) the grid of `settings` into `out`; write the reports; return `out`.
 
     `settings` say which task: StudySettings the normalization study, SimCLRSettings contrastive learning
-    (`accumnorm.study.simclr`). Both share this grid: names x BxK configs x runs.
+    (`accumnorm.study._simclr`). Both share this grid: names x BxK configs x runs.
 
     Runs already in out/results.csv are skipped (rows of it that cannot be read are skipped with a warning, and
     their runs trained again). A cell that cannot run (e.g. torch's BatchNorm

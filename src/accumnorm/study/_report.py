@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .settings import StudySettings, parse_config
-from .store import atomic_write
+from ._settings import StudySettings, parse_config
+from ._store import atomic_write
 
 __all__ = ["write_report", "write_files", "summary_cells", "grid_table", "cell_results", "finding", "versus",
            "curves_png", "config_label", "Cell", "AFTER_STEP"]
