@@ -209,6 +209,25 @@ def test_bf16_autocast_keeps_statistics_in_float32(schedule):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("whole_loss", [False, True])
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_forwards_without_grad_leave_the_autocast_cache_alone(schedule, bn, whole_loss):
+    """Passes and GradCache run forwards without grad inside the caller's autocast region. torch 2.8 caches a
+    weight's bfloat16 copy cast there, and the forward with grad reuses it, graph-less: every conv and linear
+    weight lost its gradient. No forward may run without grad with the cache on; every parameter gets its grad."""
+    seen = set()
+    model = vgg()
+    model[0].register_forward_pre_hook(
+        lambda *_: seen.add((torch.is_grad_enabled(), torch.is_autocast_cache_enabled())))
+    x, y = data((1, 16, 16), 8)
+    kwargs = (dict(forward_fn=lambda m, b: m(b[0]), batch_loss_fn=lambda out, b: F.cross_entropy(out.float(), b[1]),
+                   targets=(x, y)) if whole_loss else dict(loss_fn=ce_loss))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        accumnorm.backward(model, (x, y), micro_batch_size=2, schedule=schedule, bn=bn, **kwargs)
+    assert (False, True) not in seen, seen
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
 def test_lazy_model_materializes_and_matches(schedule):
     torch.manual_seed(1)
     lazy = vgg(nn.Tanh, norm=lambda c: accumnorm.norm("bn")).double()

@@ -33,6 +33,7 @@ from .calls import BNCall, INCall
 from .outputs import OutputGrads
 from .step import Step
 from .sums import GradSums, normalize, normalize_with
+from .threadstate import autocast_cache_off
 
 __all__ = ["passes"]
 
@@ -69,7 +70,7 @@ class _Passes:
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
 
     def run(self) -> None:
-        with self.step.norm_calls(self._batch_norm, self._instance_norm):
+        with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off():
             self._statistics()
             if self.step.objective.whole:
                 self._output_gradients()

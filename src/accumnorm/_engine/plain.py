@@ -13,6 +13,7 @@ import torch
 
 from .outputs import OutputGrads
 from .step import Step
+from .threadstate import autocast_cache_off
 
 __all__ = ["plain"]
 
@@ -44,7 +45,7 @@ def _whole_batch_loss(step: Step) -> None:
         scaled.backward()
         return
     outputs = []
-    with torch.no_grad():
+    with autocast_cache_off(), torch.no_grad():
         for k in range(len(step.micro_batches)):
             outputs.append(_forward(step, k))
             step.interrupts.check()

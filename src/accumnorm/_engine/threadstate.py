@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ThreadState", "Modes"]
+__all__ = ["ThreadState", "Modes", "autocast_cache_off"]
 
 _C = torch._C
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -138,6 +138,19 @@ class ThreadState:
                 "accumnorm cannot switch between micro-batches here: torch's dispatcher state of this thread differs "
                 "from the one the step began in, beyond grad mode, autocast and modes (inference mode, a torch.func "
                 "transform, or a dispatch-key guard is active at a BatchNorm call)")
+
+
+@contextmanager
+def autocast_cache_off() -> Iterator[None]:
+    """No autocast weight cache for the block: for schedules that run forwards without grad and then with grad in
+    the caller's autocast region. torch 2.8 caches the low-precision copy of a weight cast under no_grad, and the
+    forward with grad then reuses that copy, which has no graph back to the weight: its gradient would be lost."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
 
 
 def saved_tensor_hooks() -> tuple[tuple[Any, Any], ...]:
