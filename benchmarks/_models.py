@@ -30,6 +30,10 @@ class Case:
     build: Callable[[], nn.Module]  # the model, in train mode, from its config
     batch: Callable[[int, int], Batch]  # (image size, volume size) -> BATCH samples on the CPU
     loss: Callable[[nn.Module, Batch], torch.Tensor]  # mean loss over the samples of one (micro-)batch
+    # A loss that couples the batch's samples: accumnorm.backward's whole-batch form runs `forward` per micro-batch
+    # and `batch_loss` once over all outputs; `loss` is then each micro-batch's own, plain accumulation's
+    forward: Callable[[nn.Module, Batch], Any] | None = None
+    batch_loss: Callable[[Any, Any], torch.Tensor] | None = None
 
 
 # --- data --------------------------------------------------------------------------------------------------------
@@ -77,6 +81,14 @@ def digit_volumes(size: int, volume: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _normalize(v), (v[:, 0] > 0.3).long()
 
 
+def two_views(size: int, volume: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SimCLR: two random augmentations of each 28x28 digit, as `accumnorm study --task simclr` draws them."""
+    from accumnorm.study import two_views as views
+
+    x, _ = _mnist(28)
+    return views(x, torch.Generator().manual_seed(0))
+
+
 # --- losses ------------------------------------------------------------------------------------------------------
 
 
@@ -99,6 +111,24 @@ def mean_squares(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return sum(t.float().square().mean() for t in _tensors(model(x)))
 
 
+def nt_xent(outputs: tuple[torch.Tensor, torch.Tensor], targets: None = None) -> torch.Tensor:
+    """SimCLR's NT-Xent at the study's temperature, over every view the projections hold."""
+    from accumnorm.study import nt_xent as loss
+
+    return loss(*outputs, 0.5)
+
+
+def project(model: nn.Module, views: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    from accumnorm.study import project as both
+
+    return both(model, views)
+
+
+def micro_nt_xent(model: nn.Module, views: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """NT-Xent over one micro-batch's own views: what plain accumulation takes."""
+    return nt_xent(project(model, views))
+
+
 # --- models ------------------------------------------------------------------------------------------------------
 
 
@@ -110,6 +140,13 @@ def study_net() -> nn.Module:
         layers += [nn.Conv2d(c0, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()] + ([nn.MaxPool2d(2)] if i < 3 else [])
         c0 = c
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c0, 10))
+
+
+def simclr_net() -> nn.Module:
+    """The contrastive study's encoder (3 ResNet-like stages, BatchNorm) and BatchNorm projection head."""
+    from accumnorm.study import SimCLRNet
+
+    return SimCLRNet("bn")
 
 
 def torchvision_model(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
@@ -187,4 +224,6 @@ MODELS: dict[str, Case] = {
     # its dense layers' bottleneck (BatchNorm, ReLU, conv) inside checkpoint(use_reentrant=False); the plain loop's
     # recomputation updates those BatchNorms' running statistics a second time, accumnorm's does not
     "densenet121_ckpt": Case(torchvision_model("densenet121", memory_efficient=True), digits, cross_entropy),
+    # NT-Xent over both views of the whole batch: exact takes it once over all projections, plain per micro-batch
+    "simclr": Case(simclr_net, two_views, micro_nt_xent, forward=project, batch_loss=nt_xent),
 }

@@ -18,7 +18,9 @@ the study's VGG-like net and torchvision's resnet18, resnet50, mobilenet_v3_smal
 (classification of MNIST digits upscaled to --size, 3 channels); ultralytics' YOLOv8n (its raw maps, mean
 squares); MONAI's 3D UNet (digits extruded to --volume^3, per-voxel cross-entropy); segmentation_models_pytorch's
 Unet on resnet18 (per-pixel cross-entropy); a model with Python control flow torch.fx cannot trace; torchvision's
-densenet121 with its BatchNorms inside activation checkpointing. A model whose library is not installed is
+densenet121 with its BatchNorms inside activation checkpointing; the SimCLR study's encoder and projection head on
+two views of each digit, with NT-Xent over the whole batch (exact: accumnorm.backward's whole-batch form; plain:
+each micro-batch's own NT-Xent, as plain accumulation takes it). A model whose library is not installed is
 skipped with a note; a schedule that fails on a model shows "failed" and the error goes to stderr.
 
     python benchmarks/bench_backward.py                    # every model, 64x64, 4x4 and 2x8, 2 threads
@@ -37,13 +39,12 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _models import BATCH, MODELS, Batch
+from _models import BATCH, MODELS, Batch, Case
 from torch.overrides import TorchFunctionMode
 
 import accumnorm
 
-LossFn = Callable[[nn.Module, Batch], torch.Tensor]
-Method = Callable[[nn.Module, Batch, int, LossFn], None]
+Method = Callable[[nn.Module, Batch, int, Case], None]
 
 
 def split(batch: Batch, micro: int) -> list[Batch]:
@@ -61,14 +62,18 @@ def to(batch: Batch, device: torch.device) -> Batch:
     return batch.to(device) if isinstance(batch, torch.Tensor) else type(batch)(t.to(device) for t in batch)
 
 
-def plain_step(model: nn.Module, batch: Batch, micro: int, loss_fn: LossFn) -> None:
+def plain_step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
     for part in split(batch, micro):
-        (loss_fn(model, part) * samples(part) / samples(batch)).backward()
+        (case.loss(model, part) * samples(part) / samples(batch)).backward()
 
 
 def schedule_step(schedule: str) -> Method:
-    def step(model: nn.Module, batch: Batch, micro: int, loss_fn: LossFn) -> None:
-        accumnorm.backward(model, batch, loss_fn, micro_batch_size=micro, schedule=schedule)
+    def step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
+        if case.batch_loss is None:
+            accumnorm.backward(model, batch, case.loss, micro_batch_size=micro, schedule=schedule)
+        else:  # the loss once over the whole batch's outputs
+            accumnorm.backward(model, batch, micro_batch_size=micro, schedule=schedule, forward_fn=case.forward,
+                               batch_loss_fn=case.batch_loss)
     return step
 
 
@@ -90,7 +95,7 @@ class CountBN(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def bn_calls(model: nn.Module, batch: Batch, loss_fn: LossFn) -> int:
+def bn_calls(model: nn.Module, batch: Batch, loss_fn: Callable[[nn.Module, Batch], torch.Tensor]) -> int:
     """L: the BatchNorm calls one forward makes (counted on a copy, on 2 samples, without grad)."""
     with torch.no_grad(), CountBN() as count:
         loss_fn(copy.deepcopy(model), split(batch, 2)[0])
@@ -157,9 +162,9 @@ Result = tuple[float, int] | str  # (median seconds, nan if not timed; peak byte
 def bench(name: str, base: nn.Module, batch: Batch, micro: int, methods: list[str], args: argparse.Namespace,
           device: torch.device) -> dict[str, Result]:
     """Each method's result, and the whole batch's memory; a method that raises is reported "failed"."""
-    loss_fn = MODELS[name].loss
-    steps = {m: (lambda model, m=m: METHODS[m](model, batch, micro, loss_fn)) for m in methods}
-    steps["whole batch"] = lambda model: plain_step(model, batch, BATCH, loss_fn)
+    case = MODELS[name]
+    steps = {m: (lambda model, m=m: METHODS[m](model, batch, micro, case)) for m in methods}
+    steps["whole batch"] = lambda model: plain_step(model, batch, BATCH, case)
     models = {m: copy.deepcopy(base) for m in steps}  # same weights; each its own running statistics
     peaks: dict[str, float | None] = {}
     times: dict[str, list[float | None]] = {m: [] for m in methods}
