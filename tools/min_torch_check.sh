@@ -9,7 +9,7 @@ vision=${2:?usage: tools/min_torch_check.sh TORCH_VERSION TORCHVISION_VERSION}
 cd "$(dirname "$0")/.."
 venv=$(mktemp -d)/venv
 python -m venv "$venv"
-"$venv/bin/python" -m pip install -q "torch==$version" "torchvision==$vision" "greenlet>=3.0" numpy pytest hypothesis
+"$venv/bin/python" -m pip install -q "torch==$version" "torchvision==$vision" "greenlet>=3.0" numpy pytest hypothesis tqdm timm
 "$venv/bin/python" -m pip install -q --no-deps .
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 "$venv/bin/python" tools/core_smoke.py
