@@ -9,9 +9,10 @@ vision=${2:?usage: tools/min_torch_check.sh TORCH_VERSION TORCHVISION_VERSION}
 cd "$(dirname "$0")/.."
 venv=$(mktemp -d)/venv
 python -m venv "$venv"
-"$venv/bin/python" -m pip install -q "torch==$version" "torchvision==$vision" "greenlet>=3.0" numpy pytest hypothesis tqdm timm
+"$venv/bin/python" -m pip install -q "torch==$version" "greenlet>=3.0" numpy
 "$venv/bin/python" -m pip install -q --no-deps .
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
-"$venv/bin/python" tools/core_smoke.py
+"$venv/bin/python" tools/core_smoke.py  # the core alone, before the tests' extras arrive
+"$venv/bin/python" -m pip install -q "torchvision==$vision" pytest hypothesis tqdm timm
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_accumulation.py tests/test_schedules.py \
     tests/test_lockstep.py tests/test_trust.py tests/test_checkpoint.py tests/test_batch_loss.py tests/test_functional.py

@@ -25,10 +25,6 @@ from ._files import atomic_write, csv_text, read_csv
 if TYPE_CHECKING:
     from ._trainer import Trainer
 
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # the progress bar is an extra: pip install 'accumnorm[train]'
-    tqdm = None
 
 __all__ = ["check_fit_args", "FitLoop", "MetricLog"]
 
@@ -47,8 +43,16 @@ def check_fit_args(*, steps: Any, epochs: Any, eval_every: Any, log: Any, checkp
         raise ValueError("checkpoint_every needs a log directory to write checkpoint.pt into")
     if log is not None and Path(log).exists() and not Path(log).is_dir():
         raise ValueError(f"log must be a directory, but {log} is a file")
-    if tqdm is None:
-        raise ImportError("Trainer.fit shows its progress with tqdm: pip install 'accumnorm[train]'")
+    _tqdm()
+
+
+def _tqdm() -> Any:
+    """tqdm's progress bar, imported when a fit starts rather than with accumnorm: it is an extra."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as err:
+        raise ImportError("Trainer.fit shows its progress with tqdm: pip install 'accumnorm[train]'") from err
+    return tqdm
 
 
 class FitLoop:
@@ -63,7 +67,7 @@ class FitLoop:
         self.log = Path(log) if log is not None else None
         self.metrics = MetricLog(self.log if trainer.rank == 0 else None, trainer.step_count)
         total = steps if steps is not None else (epochs * len(loader) if hasattr(loader, "__len__") else None)
-        self.bar = tqdm(total=total, initial=trainer.step_count, unit="step", disable=trainer.rank != 0,
+        self.bar = _tqdm()(total=total, initial=trainer.step_count, unit="step", disable=trainer.rank != 0,
                         dynamic_ncols=True)
         self.last: dict[str, float] = {}  # the last logged metrics, which fit returns
         self.started = False
@@ -157,7 +161,7 @@ def describe(trainer: Trainer, batch: Any, loader: Iterable, **fit_args: Any) ->
     }
     if t.rank == 0:
         short = " (the last micro-batch is short)" if per_rank % t.micro_batch_size else ""
-        tqdm.write(f"effective batch {config['effective_batch_size']} = micro-batch {t.micro_batch_size} x "
+        _tqdm().write(f"effective batch {config['effective_batch_size']} = micro-batch {t.micro_batch_size} x "
                    f"{accum} accumulation steps x {t.world_size} ranks{short}; bn={t.bn}, amp={t.amp}, "
                    f"device {t.device}, {config['parameters']:,} parameters, starting at step {t.step_count}")
     return config
