@@ -1,8 +1,9 @@
 """Normalization layers: exact-under-accumulation BatchNorm, lazy per-sample norms, registry and converters."""
-from ._alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
+from ._alternatives import BatchRenorm2d, StaleBatchNorm2d
 from ._batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ._create import NORM_NAMES, convert, norm, norm_layer, revert
 from ._norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
+from ._per_sample import EvoNorm2dS0, FilterResponseNorm2d
 
 __all__ = [
     "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",

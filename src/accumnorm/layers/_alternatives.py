@@ -6,8 +6,8 @@
   collected over its micro-batches; a cheap one-step-stale approximation of exact accumulation in
   the spirit of MABN (Yan et al. 2020). Its statistics roll at `accumnorm_step_end()`, which
   `accumnorm.backward` calls after every successful step.
-- `FilterResponseNorm2d` (Singh & Krishnan 2020, FRN with TLU) and `EvoNorm2dS0` (Liu et al. 2020):
-  per-sample norms with a built-in nonlinearity, as timm's FilterResponseNormTlu2d and EvoNorm2dS0.
+
+The per-sample ones, FRN and EvoNorm, are in _per_sample.py.
 
 All take (N, C, H, W) inputs, their channel count first (None: lazy, from the first input), and
 keep their per-channel tensors as (C,) parameters and buffers, so state_dicts are plain.
@@ -23,10 +23,10 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_l
 
 from ._lazy import LazyNormMixin, check_num_features
 
-__all__ = ["BatchRenorm2d", "StaleBatchNorm2d", "FilterResponseNorm2d", "EvoNorm2dS0"]
+__all__ = ["BatchRenorm2d", "StaleBatchNorm2d", "ChannelNorm", "affine"]
 
 
-class _ChannelNorm(LazyNormMixin, nn.Module):
+class ChannelNorm(LazyNormMixin, nn.Module):
     """Shared body: (C,) parameters and buffers with constant initial values, 4D input, lazy channels."""
 
     def __init__(self, num_features: int | None, params: dict[str, float], buffers: dict[str, float],
@@ -88,11 +88,11 @@ class _ChannelNorm(LazyNormMixin, nn.Module):
         return f"{self.num_features}, eps={self.eps}"
 
 
-def _affine(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+def affine(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return x * weight.view(1, -1, 1, 1) + bias.view(1, -1, 1, 1)
 
 
-class BatchRenorm2d(_ChannelNorm):
+class BatchRenorm2d(ChannelNorm):
     """Batch Renormalization (Ioffe 2017) over (N, C, H, W): BatchNorm made to agree with its running statistics.
 
     In training, y = weight * ((x - mean_B) / std_B * r + d) + bias with r = std_B / std and
@@ -176,7 +176,7 @@ class BatchRenorm2d(_ChannelNorm):
                 f"d_max={self.d_max}, warmup={self.warmup}, r_max_at={self.r_max_at}, d_max_at={self.d_max_at}")
 
 
-class StaleBatchNorm2d(_ChannelNorm):
+class StaleBatchNorm2d(ChannelNorm):
     """BatchNorm with the previous optimizer step's whole-batch statistics: one step stale, exact otherwise.
 
     Exact accumulation (`accumnorm.backward(bn="exact")`) gives every micro-batch the statistics of
@@ -256,75 +256,3 @@ class StaleBatchNorm2d(_ChannelNorm):
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
-
-
-class FilterResponseNorm2d(_ChannelNorm):
-    """Filter Response Normalization with a Thresholded Linear Unit (Singh & Krishnan 2020), as timm's FRN+TLU.
-
-    y = max(weight * x / sqrt(mean(x^2 over H, W) + eps) + bias, tau): each sample and channel on
-    its own, so it is the same under any accumulation. It includes its nonlinearity (TLU).
-
-    Args:
-        num_features: channels C, or None to infer them from the first input.
-        eps: added to the mean square.
-
-    Shape:
-        Input (N, C, H, W), output the same.
-
-    Examples:
-        >>> m = FilterResponseNorm2d(32)
-        >>> y = m(torch.randn(4, 32, 8, 8))
-    """
-
-    def __init__(self, num_features: int | None = None, eps: float = 1e-5, device: Any = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_features, {"weight": 1.0, "bias": 0.0, "tau": 0.0}, {}, device, dtype)
-        self.eps = eps
-
-    def _norm(self, x: Tensor) -> Tensor:
-        x = x * x.square().mean((2, 3), keepdim=True).add(self.eps).rsqrt()
-        return torch.maximum(_affine(x, self.weight, self.bias), self.tau.view(1, -1, 1, 1))
-
-
-class EvoNorm2dS0(_ChannelNorm):
-    """EvoNorm-S0 (Liu et al. 2020), as timm's EvoNorm2dS0: y = x * sigmoid(v * x) / group_std(x) * weight + bias.
-
-    The standard deviation is per sample over groups of channels (as GroupNorm's), so it is the
-    same under any accumulation. It includes its nonlinearity (the sigmoid gate).
-
-    Args:
-        num_features: channels C, or None to infer them from the first input (divisible by num_groups).
-        num_groups: channel groups of the standard deviation.
-        eps: added to the variance.
-
-    Shape:
-        Input (N, C, H, W), output the same.
-
-    Examples:
-        >>> m = EvoNorm2dS0(64, num_groups=32)
-        >>> y = m(torch.randn(4, 64, 8, 8))
-    """
-
-    def __init__(self, num_features: int | None = None, num_groups: int = 32, eps: float = 1e-5, device: Any = None,
-                 dtype: torch.dtype | None = None) -> None:
-        check_num_features(num_groups, "num_groups")
-        if num_features is not None and isinstance(num_features, int) and num_features % num_groups:
-            raise ValueError(f"EvoNorm2dS0 with {num_groups} groups needs channels divisible by it, got {num_features}")
-        super().__init__(num_features, {"weight": 1.0, "bias": 0.0, "v": 1.0}, {}, device, dtype)
-        self.num_groups, self.eps = num_groups, eps
-
-    def initialize_parameters(self, input: Tensor) -> None:  # type: ignore[override]
-        if input.dim() == 4 and input.shape[1] % self.num_groups:
-            raise ValueError(f"EvoNorm2dS0 with {self.num_groups} groups needs channels divisible by it, "
-                             f"got {input.shape[1]}")
-        super().initialize_parameters(input)
-
-    def _norm(self, x: Tensor) -> Tensor:
-        n, c, h, w = x.shape
-        groups = x.view(n, self.num_groups, -1)
-        std = groups.var(dim=2, correction=0, keepdim=True).add(self.eps).sqrt()
-        gated = x * torch.sigmoid(x * self.v.view(1, -1, 1, 1))
-        return _affine((gated.view(n, self.num_groups, -1) / std).view(n, c, h, w), self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_features}, num_groups={self.num_groups}, eps={self.eps}"

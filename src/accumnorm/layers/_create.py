@@ -23,9 +23,10 @@ import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import _WrappedHook
 
-from ._alternatives import BatchRenorm2d, EvoNorm2dS0, FilterResponseNorm2d, StaleBatchNorm2d
+from ._alternatives import BatchRenorm2d, StaleBatchNorm2d
 from ._batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
 from ._norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
+from ._per_sample import EvoNorm2dS0, FilterResponseNorm2d
 
 __all__ = ["norm_layer", "norm", "NORM_NAMES", "convert", "revert"]
 

@@ -17,7 +17,7 @@ On a CPU the cells also run in parallel, in worker processes that split the thre
 calls that intra-op threads barely speed up (a step takes ~65 ms on 2 threads, ~93 ms on 1),
 so two cells on one thread each get through ~1.4x more steps than one cell on two threads.
 The cells are independent and every run's seed fixes its whole computation, so the results
-do not depend on the process a cell ran in. Workers are spawned (torch is not fork-safe),
+do not depend on the process a cell ran in (_grid.py). Workers are spawned (torch is not fork-safe),
 load the dataset once each, train one task (the runs of a cell trained together) at a time
 and send their step counts to the parent's progress bar; the parent appends each finished
 task's rows to results.csv as it comes back, so a kill loses only the tasks in progress.
@@ -27,14 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import multiprocessing
-import os
-import queue
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +41,7 @@ import accumnorm
 from . import _store as store
 from ._data import OFFLINE, Dataset, load_dataset
 from ._fused import fusable, use_ghost_batches
+from ._grid import GridProgress, Task, in_process, in_workers, parallelism
 from ._model import EXACT_BN, SimpleModel, SingleRun, StackedModel, norm_fn, stackable
 from ._report import write_report
 from ._settings import StudySettings, check_positive_int, parse_config
@@ -53,7 +50,7 @@ from ._tasks import study_task
 if TYPE_CHECKING:
     from ._simclr import SimCLRSettings
 
-__all__ = ["run_study", "data_order", "evaluate", "Task", "eval_batch", "NORM_STUDY"]
+__all__ = ["run_study", "data_order", "evaluate", "eval_batch", "NORM_STUDY"]
 
 
 def eval_batch(device: torch.device) -> int:
@@ -61,21 +58,6 @@ def eval_batch(device: torch.device) -> int:
     images stay in cache, and evaluation runs twice as fast as with 256 (measured: 1.4 s against 3.2 s for 3
     stacked runs of the study net on 2,000 digits, one thread)."""
     return 32 if device.type == "cpu" else 256
-
-
-class Task(NamedTuple):
-    """Runs of one cell trained together: all pending runs of a stackable norm, else one run."""
-
-    name: str
-    b: int
-    k: int
-    runs: tuple[int, ...]
-
-    def label(self) -> str:
-        return f"{self.name} {self.b}x{self.k} run{'s' if len(self.runs) > 1 else ''} {','.join(map(str, self.runs))}"
-
-
-Outcome = list[dict[str, Any]] | str  # a finished task's result rows, or why its cell cannot run
 
 
 def run_study(out: str | Path, settings: StudySettings | SimCLRSettings | None = None, *,
@@ -114,12 +96,12 @@ def run_study(out: str | Path, settings: StudySettings | SimCLRSettings | None =
     for name, b, k in cells:
         pending = tuple(r for r in range(settings.runs) if (name, b, k, r) not in done)
         tasks += [Task(name, b, k, group) for group in kind.groups(name, pending) if group]
-    workers, threads = _parallelism(workers, device, len(tasks))
+    workers, threads = parallelism(workers, device, len(tasks))
     total_runs = len(cells) * settings.runs
-    bar = _GridProgress(tasks, settings.iterations, total_runs - sum(len(t.runs) for t in tasks), total_runs, progress)
+    bar = GridProgress(tasks, settings.iterations, total_runs - sum(len(t.runs) for t in tasks), total_runs, progress)
     failures: dict[tuple[str, int, int], str] = {}
-    finished = (_in_process(tasks, data, settings, bar) if workers == 1
-                else _in_workers(tasks, settings, workers, threads, bar))
+    finished = (in_process(tasks, data, settings, bar) if workers == 1
+                else in_workers(tasks, settings, workers, threads, bar))
     for task, outcome in finished:
         if isinstance(outcome, str):
             failures[task[:3]] = outcome
@@ -159,95 +141,6 @@ def _check_configs(settings: StudySettings, train_size: int) -> None:
                          f"samples of {settings.dataset}: expected B <= {train_size}")
 
 
-def _parallelism(workers: int | None, device: torch.device, tasks: int) -> tuple[int, int]:
-    """(worker processes, torch threads each) for `tasks` pending tasks within this process's thread budget."""
-    budget = torch.get_num_threads()
-    if device.type != "cpu":
-        return 1, budget
-    workers = max(1, min(workers or budget, tasks))
-    return workers, budget if workers == 1 else max(1, budget // workers)
-
-
-def _attempt(task: Task, data: Dataset, settings: StudySettings, on_step: Callable[[int], None]) -> Outcome:
-    """Train `task`; a ValueError or RuntimeError (torch's BatchNorm on a 1x1 map at micro-batch 1) is its outcome."""
-    try:
-        return study_task(settings).train(task.name, task.b, task.k, task.runs, data, settings, on_step)
-    except (ValueError, RuntimeError) as err:
-        return str(err).strip().splitlines()[0]
-
-
-def _in_process(tasks: Sequence[Task], data: Dataset, settings: StudySettings,
-                bar: _GridProgress) -> Iterator[tuple[Task, Outcome]]:
-    """Train the tasks here, one after the other; after a failure, the rest of that cell is skipped."""
-    failed = set()
-    for i, task in enumerate(tasks):
-        if task[:3] not in failed:
-            bar.start(i)
-            outcome = _attempt(task, data, settings, bar.stepper(i))
-            if isinstance(outcome, str):
-                failed.add(task[:3])
-            yield task, outcome
-        bar.finish(i)  # a failed cell's runs count as done: the grid goes on
-
-
-def _in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, threads: int,
-                bar: _GridProgress) -> Iterator[tuple[Task, Outcome]]:
-    """Train the tasks in `workers` spawned processes of `threads` threads; yield each as it finishes.
-
-    The likely costliest tasks go first (bn-exact's extra passes, then more micro-batches per
-    step), so that the grid does not end on one long task while the other workers idle. After a
-    failure the tasks of that cell not yet started are cancelled.
-    """
-    ctx = multiprocessing.get_context("spawn")
-    steps = ctx.Queue()  # (task index, run-steps) from the workers, drained here while waiting
-    stop = ctx.Event()  # set when this generator ends: workers quit at their next step (e.g. after a Ctrl-C)
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(settings, threads, steps, stop, os.getpid()))
-    try:
-        order = sorted(range(len(tasks)), key=lambda i: (tasks[i].name == EXACT_BN, tasks[i].k), reverse=True)
-        running = {pool.submit(_work, i, tasks[i]): i for i in order}
-        while running:
-            finished, _ = wait(running, timeout=0.1, return_when=FIRST_COMPLETED)
-            while True:
-                try:
-                    bar.step(*steps.get_nowait())
-                except queue.Empty:
-                    break
-            for future in finished:
-                i = running.pop(future)
-                if not future.cancelled():
-                    outcome = future.result()
-                    if isinstance(outcome, str):
-                        for other, j in running.items():
-                            if tasks[j][:3] == tasks[i][:3]:
-                                other.cancel()
-                    yield tasks[i], outcome
-                bar.finish(i)
-    finally:
-        stop.set()  # tasks already handed to a worker cannot be cancelled: they end at their next step
-        pool.shutdown(cancel_futures=True)
-
-
-_worker: dict[str, Any] = {}  # in a worker process: its dataset, settings, step queue, stop event and parent's pid
-
-
-def _init_worker(settings: StudySettings, threads: int, steps: Any, stop: Any, parent: int) -> None:
-    """Set up a worker process once: its share of the threads and its own copy of the dataset."""
-    torch.set_num_threads(threads)
-    _worker.update(data=load_dataset(settings.dataset, settings.data_dir), settings=settings, steps=steps, stop=stop,
-                   parent=parent)
-
-
-def _work(index: int, task: Task) -> Outcome:
-    """Train task number `index` in a worker process, reporting every step to the parent."""
-    def on_step(n: int) -> None:
-        if _worker["stop"].is_set() or os.getppid() != _worker["parent"]:
-            os._exit(1)  # the parent stopped or was killed: nobody will store this task's rows
-        _worker["steps"].put((index, n))
-
-    return _attempt(task, _worker["data"], _worker["settings"], on_step)
-
-
 def _device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -258,51 +151,6 @@ def _device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     return dev
-
-
-class _GridProgress:
-    """One bar over the whole grid, in run-steps (a stacked step of R runs counts R), fed by task number."""
-
-    def __init__(self, tasks: Sequence[Task], iterations: int, runs_done: int, total_runs: int, enabled: bool):
-        from tqdm.auto import tqdm
-
-        self.tasks, self.iterations, self.runs_done, self.total_runs = tasks, iterations, runs_done, total_runs
-        self.credited: dict[int, int] = {}  # run-steps counted so far of each task in progress
-        self.finished: set[int] = set()
-        self.bar = tqdm(total=total_runs * iterations, initial=runs_done * iterations, unit="step",
-                        disable=not enabled, smoothing=0.05,
-                        bar_format="{l_bar}{bar}| {n}/{total} run-steps [{elapsed}<{remaining}] {postfix}")
-        self._postfix()
-
-    def start(self, i: int) -> None:
-        self.credited[i] = 0
-        self._postfix()
-
-    def step(self, i: int, n: int) -> None:
-        if i in self.finished:
-            return  # a step message that came after its task's result: finish() counted it
-        if i not in self.credited:
-            self.start(i)
-        self.credited[i] += n
-        self.bar.update(n)
-
-    def stepper(self, i: int) -> Callable[[int], None]:
-        return lambda n: self.step(i, n)
-
-    def finish(self, i: int) -> None:
-        """Task `i` is over (trained, failed or skipped): count all its run-steps."""
-        runs = len(self.tasks[i].runs)
-        self.bar.update(runs * self.iterations - self.credited.pop(i, 0))
-        self.finished.add(i)
-        self.runs_done += runs
-        self._postfix()
-
-    def close(self) -> None:
-        self.bar.close()
-
-    def _postfix(self) -> None:
-        now = "; ".join(self.tasks[i].label() for i in self.credited)
-        self.bar.set_postfix_str(f"{self.runs_done}/{self.total_runs} runs done" + (f", now {now}" if now else ""))
 
 
 def _train(name: str, b: int, k: int, runs: Sequence[int], data: Dataset, settings: StudySettings,
