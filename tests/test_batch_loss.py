@@ -330,6 +330,28 @@ def test_auto_with_functional_batch_norm_goes_exact():
     compare(ref, ours, TOL)
 
 
+def test_auto_that_starts_over_in_layerwise_draws_as_layerwise_alone():
+    """Dropout before the functional BatchNorm call: "auto" runs GradCache until that call, then starts the step over
+    in layerwise. The restart rewinds every micro-batch's random stream, so the step draws (and its gradient is)
+    what layerwise alone draws with the same seed, not a stream that GradCache's forward had already advanced."""
+    class Dropped(FunctionalHead):
+        def forward(self, x):
+            return super().forward(F.dropout(x, 0.5, self.training))
+
+    torch.manual_seed(0)
+    model = Dropped().to(DT)
+    batch = (torch.randn(8, 6, dtype=DT), torch.randn(8, 6, dtype=DT))
+    grads = []
+    for schedule in ("auto", "layerwise"):
+        m = copy.deepcopy(model)
+        torch.manual_seed(5)
+        accumnorm.backward(m, batch, micro_batch_size=2, forward_fn=simclr_forward, batch_loss_fn=nt_xent,
+                           schedule=schedule)
+        grads.append([p.grad for p in m.parameters()])
+    for auto, layerwise in zip(*grads):
+        torch.testing.assert_close(auto, layerwise, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- a learnable temperature the loss closes over
 @pytest.mark.parametrize("bn, schedule", [("exact", "passes"), ("micro", "auto"), ("exact", "auto")])
 def test_temperature_closed_over_by_the_loss(bn, schedule):

@@ -204,8 +204,7 @@ def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None,
             with step.norm_calls(_refuse_statistics, _refuse_statistics):
                 return _run(plain, step)
         except _NoStatistics:
-            transaction.rollback()
-            transaction.begin()
+            _start_over(step, transaction)
             step = new_step()
     try:
         return _run(lambda s: layerwise(s, store), step)
@@ -213,12 +212,19 @@ def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None,
         if schedule == "layerwise":
             raise
         refuse_unseen_batch_norms(step.model, "passes")
-        transaction.rollback()
-        transaction.begin()
+        _start_over(step, transaction)
         warnings.warn(f"accumnorm.backward: the layerwise schedule ran out of memory ({e}); using the passes "
                       "schedule, which holds one micro-batch at a time (store='cpu' may let layerwise fit)",
                       RuntimeWarning, stacklevel=5)
         return _run(passes, new_step())
+
+
+def _start_over(step: Step, transaction: Transaction) -> None:
+    """Undo a schedule's partial run for another to start the step again: gradients, buffers, and every
+    micro-batch's random stream back at its start (the next schedule draws what it would have drawn alone)."""
+    transaction.rollback()
+    transaction.begin()
+    step.rng.rewind()
 
 
 def _device(model: nn.Module) -> torch.device:

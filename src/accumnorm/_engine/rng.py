@@ -57,6 +57,10 @@ class StepRng:
             else:
                 g.set_state(state[i])
 
+    def rewind(self) -> None:
+        """Every micro-batch's stream back to its start, for a schedule that starts the step over."""
+        self.states = [None] * len(self.states)
+
     def end(self, k: int) -> None:
         self.states[k] = [g.get_state() for g in self.generators]
 
