@@ -34,6 +34,11 @@ def _checked(loss: Any, what: str, where: str) -> Tensor:
     return loss
 
 
+def _scaled(loss: Tensor, grad_scaler: torch.amp.GradScaler | None) -> Tensor:
+    """The loss to back-propagate: times the AMP scale, if any."""
+    return grad_scaler.scale(loss) if grad_scaler is not None else loss
+
+
 class MicroBatchLoss:
     """`loss_fn(model, micro_batch)`, the mean loss of each micro-batch, weighted by its share of the samples."""
 
@@ -47,8 +52,7 @@ class MicroBatchLoss:
 
     def weighted(self, loss: Tensor, k: int) -> Tensor:
         """Micro-batch k's share of the whole-batch mean loss (times the AMP scale, if any)."""
-        loss = loss * self.weights[k]
-        return self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+        return _scaled(loss * self.weights[k], self.grad_scaler)
 
 
 class BatchLoss:
@@ -79,4 +83,4 @@ class BatchLoss:
         # the step and lower the scale, so only an unscaled run treats it as an error.
         if self.grad_scaler is None and not bool(torch.isfinite(loss)):
             raise ValueError(f"batch_loss_fn's loss is not finite ({loss.item()}); nothing was changed")
-        return loss, self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+        return loss, _scaled(loss, self.grad_scaler)

@@ -25,6 +25,9 @@ def concatenate(outputs: list[Any]) -> Any:
     """
     flat = [tree_flatten_with_path(out) for out in outputs]
     paths, spec = [keystr(path) or "the output" for path, _ in flat[0][0]], flat[0][1]
+    if not paths:
+        raise TypeError(f"forward_fn must return a Tensor, or tuples, lists, namedtuples or dicts of them (one row "
+                        f"per sample), got {type(outputs[0]).__name__} {outputs[0]!r:.80} for micro-batch 0")
     for k, (_, other) in enumerate(flat):
         if other != spec:
             raise ValueError(f"forward_fn must return outputs of the same structure for every micro-batch: "
@@ -55,8 +58,8 @@ class OutputGrads:
     """
 
     def __init__(self, outputs: list[Any]) -> None:
+        whole = concatenate(outputs)  # checks every output first
         self.sizes = [tree_flatten(out)[0][0].shape[0] for out in outputs]
-        whole = concatenate(outputs)
         leaves, self.spec = tree_flatten(whole)
         self.leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in leaves]
         self.whole = tree_unflatten(self.leaves, self.spec)

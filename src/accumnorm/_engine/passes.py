@@ -42,6 +42,10 @@ class _Stop(BaseException):
     """Ends a truncated pass at its target BN call. A BaseException so user `except Exception` won't eat it."""
 
 
+# What `_forward` returns for a forward that a truncated pass stopped (not None: a forward_fn may return None).
+_STOPPED = object()
+
+
 class _Call:
     """One BatchNorm call of the forward: its whole-batch statistics and backward sums."""
 
@@ -136,11 +140,11 @@ class _Passes:
             self.step.interrupts.check()
 
     def _forward(self, k: int) -> Any:
-        """Micro-batch k's forward (its loss, or its outputs); None if a truncated pass stopped it at its target."""
+        """Micro-batch k's forward (its loss, or its outputs); _STOPPED if a truncated pass stopped it at its target."""
         try:
             loss = self.step.forward(k)
         except _Stop:
-            return None
+            return _STOPPED
         if self.index != len(self.calls):
             raise ValueError(
                 f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but "
@@ -154,7 +158,7 @@ class _Passes:
             self.mode, self.target = self.STATS, j
             with torch.no_grad():
                 for k in self._each():
-                    if self._forward(k) is not None:  # micro-batch 0 never reached call j: there are j
+                    if self._forward(k) is not _STOPPED:  # micro-batch 0 never reached call j: there are j
                         return
             call = self.calls[j]
             self.step.check_count(call.shapes)
