@@ -291,10 +291,19 @@ def test_per_micro_batch_ntxent_fails_the_oracle(schedule):
 
 
 # ---------------------------------------------------------------- auto without norm statistics: GradCache, exact
-def test_auto_without_norm_statistics_uses_gradcache_and_is_exact():
-    """No layer with batch statistics (GroupNorm, LayerNorm): "auto" runs GradCache (two forwards per micro-batch,
-    one micro-batch in memory), exact against the whole batch."""
-    model = CASES["ntxent-gn"].model()
+@pytest.mark.parametrize("norm, forwards", [
+    ("group", 2), ("instance", 2),  # no batch or running statistics: GradCache, two forwards per micro-batch
+    ("instance, running statistics", 1),  # GradCache's second forward would update them again: layerwise
+])
+def test_auto_without_norm_statistics_uses_gradcache_and_is_exact(norm, forwards):
+    """No layer with batch or running statistics (GroupNorm, InstanceNorm without running statistics, LayerNorm):
+    "auto" runs GradCache (two forwards per micro-batch, one micro-batch in memory), exact against the whole batch.
+    An InstanceNorm that keeps running statistics goes to layerwise, which updates them once."""
+    torch.manual_seed(0)
+    model = {"group": lambda: CASES["ntxent-gn"].model(),
+             "instance": lambda: SimCLR(norm=lambda c: nn.InstanceNorm2d(c, affine=True)).to(DT),
+             "instance, running statistics": lambda: SimCLR(
+                 norm=lambda c: nn.InstanceNorm2d(c, affine=True, track_running_stats=True)).to(DT)}[norm]()
     ref, ours, calls = model, copy.deepcopy(model), []
     batch = views(7)
     expected = oracle(ref, batch, None, simclr_forward, nt_xent, "exact", 3)
@@ -302,7 +311,7 @@ def test_auto_without_norm_statistics_uses_gradcache_and_is_exact():
                               simclr_forward(m, b), batch_loss_fn=nt_xent, schedule="auto")
     assert rel_err(loss, expected) <= TOL
     compare(ref, ours, TOL)
-    assert len(calls) == 2 * 3
+    assert len(calls) == forwards * 3
 
 
 class FunctionalHead(nn.Module):

@@ -79,5 +79,7 @@ def sync_batch_norm_as_local(model: nn.Module) -> Iterator[None]:
 
 
 def has_norm_statistics(model: nn.Module) -> bool:
-    """Whether the model has a layer that normalizes with batch statistics or keeps running ones."""
-    return any(isinstance(m, (_BatchNorm, nn.modules.instancenorm._InstanceNorm)) for m in model.modules())
+    """Whether the model has a layer that normalizes with batch statistics or keeps running ones (an InstanceNorm
+    without running statistics normalizes each sample alone: it has none)."""
+    return any(isinstance(m, _BatchNorm) or (isinstance(m, nn.modules.instancenorm._InstanceNorm)
+                                             and m.track_running_stats) for m in model.modules())
