@@ -41,9 +41,10 @@ class Regions:
         self.norm_calls = norm_calls
         self.calls: dict[int, tuple[Any, list[Recompute]]] = {}  # id(frame) -> (frame, its calls in order)
 
-    def enter_forward_call(self, recompute: Recompute) -> None:
-        """Record a forward call, with how to give its output again, in every region it is made in."""
-        for frame in _forward_regions():
+    def enter_forward_call(self, recompute: Recompute, hooks: tuple[tuple[Any, Any], ...] | None = None) -> None:
+        """Record a forward call, with how to give its output again, in every region it is made in (`hooks`: the
+        thread's saved-tensor hooks, when the caller has just read them)."""
+        for frame in _forward_regions(saved_tensor_hooks() if hooks is None else hooks):
             entry = self.calls.get(id(frame))
             if entry is None:
                 entry = self.calls[id(frame)] = (frame, [])
@@ -73,10 +74,11 @@ class Regions:
         self.calls.clear()
 
 
-def _forward_regions() -> list[Any]:
-    """The `_CheckpointFrame`s of the checkpointed regions whose forward encloses this point, outermost first."""
+def _forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
+    """The `_CheckpointFrame`s of the checkpointed regions whose forward encloses this point (whose hooks are
+    `hooks`), outermost first."""
     frames = []
-    for pack, _ in saved_tensor_hooks():
+    for pack, _ in hooks:
         fn = inspect.unwrap(pack)
         if getattr(fn, "__qualname__", "") != _FORWARD_HOOK or fn.__module__ != "torch.utils.checkpoint":
             continue

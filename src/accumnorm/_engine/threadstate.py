@@ -12,20 +12,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = ["ThreadState", "Modes", "autocast_cache_off"]
 
 _C = torch._C
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-@dataclass(frozen=True)
-class Modes:
-    """The modes a forward runs in: grad mode, forward-AD mode and autocast (device, enabled, dtype)."""
+class Modes(NamedTuple):
+    """The modes a forward runs in: grad mode, forward-AD mode and autocast (device, enabled, dtype).
+
+    NamedTuples rather than dataclasses: a snapshot is taken at every switch, and tuples are built and compared
+    in C.
+    """
 
     grad: bool
     fwd_grad: bool
@@ -35,7 +36,8 @@ class Modes:
     @classmethod
     def current(cls) -> Modes:
         return cls(_C.is_grad_enabled(), _C._is_fwd_grad_enabled(),
-                   tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES),
+                   (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
+                    ("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))),
                    torch.is_autocast_cache_enabled())
 
     def apply(self, current: Modes) -> None:
@@ -54,6 +56,9 @@ class Modes:
     def entered(self) -> Iterator[None]:
         """Run the block in these modes, then go back to the ones before."""
         before = Modes.current()
+        if before == self:
+            yield
+            return
         self.apply(before)
         try:
             yield
@@ -61,8 +66,7 @@ class Modes:
             before.apply(self)
 
 
-@dataclass(frozen=True)
-class ThreadState:
+class ThreadState(NamedTuple):
     """A snapshot of the calling thread's torch state (see the module doc)."""
 
     modes: Modes
@@ -75,15 +79,18 @@ class ThreadState:
     keys: tuple[int, int]  # the dispatcher's thread-local included and excluded keys, as raw bits
 
     @classmethod
-    def capture(cls) -> ThreadState:
+    def capture(cls, modes: Modes | None = None) -> ThreadState:
+        """The thread's state now; `modes`: its modes, when the caller has just read them."""
         cuda = None
         if torch.cuda.is_initialized():
             cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
+        function_modes = _C._len_torch_function_stack()
+        dispatch_modes = _C._len_torch_dispatch_stack()
         return cls(
-            Modes.current(),
-            tuple(_C._get_function_stack_at(i) for i in range(_C._len_torch_function_stack())),
+            Modes.current() if modes is None else modes,
+            tuple(map(_C._get_function_stack_at, range(function_modes))) if function_modes else (),
             _torch_function_state(),
-            tuple(_C._get_dispatch_stack_at(i) for i in range(_C._len_torch_dispatch_stack())),
+            tuple(map(_C._get_dispatch_stack_at, range(dispatch_modes))) if dispatch_modes else (),
             saved_tensor_hooks(),
             None if _C._autograd._saved_tensors_hooks_is_enabled()
             else _C._autograd._saved_tensors_hooks_get_disabled_error_message(),
@@ -91,15 +98,15 @@ class ThreadState:
             _keys(),
         )
 
-    def with_modes(self, modes: Modes) -> ThreadState:
-        return replace(self, modes=modes)
-
     def apply(self, current: ThreadState) -> None:
-        """Make this the thread's state; `current` is the state the thread is in now (a fresh capture).
+        """Make this the thread's state; `current` is the state the thread is in now (a fresh capture, or one it
+        was made to be since).
 
         An interrupt (Ctrl-C) in the middle does not leave the thread half-switched: the switch is finished, from
         wherever it stopped, before the interrupt goes on.
         """
+        if self == current:
+            return
         try:
             self._apply(current)
         except BaseException:
