@@ -4,7 +4,7 @@ For each model and split (micro-batch b x K accumulation steps = a batch of 16),
 gradient is made three ways, interleaved round by round so that machine noise hits all alike:
 
   plain      the models' own torch BatchNorm, the usual loop: loss * b / B, backward, K times
-  layerwise  accumnorm.backward(schedule="layerwise"): micro-batches in lockstep, one joint node per BN call
+  layerwise  accumnorm.backward(schedule="layerwise"): micro-batches in lockstep, one whole-batch BN per BN call
   passes     accumnorm.backward(schedule="passes"): 2L + 1 passes for L BN calls (skipped above --skip-passes-over)
 
 and prints the median milliseconds per step, each schedule's ratio to plain, and the memory each holds:

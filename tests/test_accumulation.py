@@ -149,6 +149,36 @@ def test_layer_called_twice_per_forward_matches_whole_batch(schedule):
     assert int(ours.bn.num_batches_tracked) == 2  # once per call, as torch does
 
 
+class InPlaceNet(nn.Module):
+    """BatchNorm outputs changed in place (torchvision's ReLU(inplace=True), a residual added into them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.conv2, self.bn2 = nn.Conv2d(6, 6, 3, padding=1), nn.BatchNorm2d(6)
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        out = self.bn2(self.conv2(h))
+        out.add_(h).tanh_()
+        return self.head(out.mean((2, 3)))
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_batchnorm_outputs_changed_in_place_match_whole_batch(schedule, memory_format):
+    """The micro-batches' outputs of a met call are their own tensors: autograd refuses in-place changes to one of
+    several views of a tensor, and a view would tie the micro-batches' graphs together."""
+    ref = InPlaceNet().double().to(memory_format=memory_format)
+    ours = copy.deepcopy(ref)
+    x, y = data((3, 8, 8), 10, torch.float64)
+    batch = (x.to(memory_format=memory_format), y)
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    compare(ref, ours, 1e-9)
+    assert rel_err(loss, expected) < 1e-12
+
+
 class DropNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -5,7 +5,9 @@
 - `transaction`: gradients and buffers set aside, merged on success, restored on any error.
 - `rng`: each micro-batch's random stream; the caller's generators one draw on.
 - `step`: one call's micro-batches and the round protocol: `Step.meet` checks that the K micro-batches are
-  at the same BatchNorm call, merges their statistics and normalizes them with one joint node.
+  at the same BatchNorm call and makes it one call of the whole batch.
+- `whole`: that call: torch's own BatchNorm on the pieces, concatenated; each micro-batch gets its rows.
+- `joint`: that call across the ranks of a process group (SyncBatchNorm on any device).
 - `calls`: the TorchFunctionMode that routes every batch-statistics norm call of a step to its schedule.
 - `plain`, `lockstep` (the layerwise schedule: coroutines on the caller's thread), `passes`: the schedules.
 - `threadstate`: torch's per-thread state, swapped as the coroutines take turns.

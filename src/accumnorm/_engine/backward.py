@@ -142,27 +142,29 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
     # Copies only, until the try: an interrupt before it changes nothing.
     caller = ThreadState.capture()
     transaction = Transaction(model)
-    rng = StepRng(len(micro_batches), sorted({d.index for d in _cuda_devices(model)}))
+    rng = StepRng(len(micro_batches), transaction.cuda_devices())
     interrupts = SigintDeferred()
     try:
         interrupts.start()
         transaction.begin()
         rng.start()
-        tracked_before = {m: m.num_batches_tracked.clone() for m in model.modules()
-                          if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None}
+        # The transaction's copies, which nothing writes: each BatchNorm's num_batches_tracked before the step.
+        tracked_before = {m: saved for m, name, _, saved in transaction.buffers
+                          if name == "num_batches_tracked" and isinstance(m, _BatchNorm)}
 
         def new_step() -> Step:
-            return Step(model, micro_batches, objective, collectives, rng, interrupts, transaction.restore_buffers)
+            return Step(model, transaction.modules, micro_batches, objective, collectives, rng, interrupts,
+                        transaction.restore_buffers, tracked_before)
 
-        with sync_batch_norm_as_local(model) if exact else nullcontext():
+        with sync_batch_norm_as_local(transaction.modules) if exact else nullcontext():
             step = run(new_step, transaction)
         loss = step.result()
         collectives.sum_grads_(transaction.params)
         if exact:
             check_every_call_seen(step, tracked_before)
-            step.update_running_stats(tracked_before)
-        for m in model.modules():
-            if hasattr(m, "accumnorm_step_end"):
+            step.update_running_stats()
+        for m in transaction.modules:
+            if hasattr(type(m), "accumnorm_step_end"):
                 m.accumnorm_step_end()
         transaction.commit()
         rng.close(failed=False)
@@ -231,6 +233,3 @@ def _device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
 
-
-def _cuda_devices(model: nn.Module) -> set[torch.device]:
-    return {t.device for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"}

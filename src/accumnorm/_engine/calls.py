@@ -58,7 +58,6 @@ class BNCall:
     eps: float
     module: nn.Module | None  # the module whose running_mean this is; None for a call without module buffers
     modes: Modes
-    moments: Moments | None = None  # this piece's own moments, for the schedule to merge
     stats: Moments | None = None  # the whole batch's statistics, once the micro-batches have met
 
 

@@ -62,13 +62,14 @@ def check_every_call_seen(step: Step, tracked_before: dict[_BatchNorm, Tensor]) 
 
 
 @contextmanager
-def sync_batch_norm_as_local(model: nn.Module) -> Iterator[None]:
-    """Run SyncBatchNorm layers as plain BatchNorm for the step: the schedule reduces over micro-batches and ranks.
+def sync_batch_norm_as_local(modules: list[nn.Module]) -> Iterator[None]:
+    """Run the SyncBatchNorm layers among `modules` as plain BatchNorm for the step: the schedule reduces over
+    micro-batches and ranks.
 
     NOTE: SyncBatchNorm under an initialized process group would call its own collective kernel, which
     neither sees the other micro-batches nor runs on CPU; its `_BatchNorm.forward` ends in F.batch_norm.
     """
-    syncs = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
+    syncs = [m for m in modules if isinstance(m, nn.SyncBatchNorm)]
     for m in syncs:
         m.forward = types.MethodType(_BatchNorm.forward, m)
     try:

@@ -1,13 +1,14 @@
 """The layerwise schedule: the micro-batches' forwards in lockstep, meeting at every BatchNorm call.
 
 Each micro-batch's loss_fn runs once, as a coroutine (a greenlet) on the caller's thread. At a
-BatchNorm call it pauses and the driver resumes the next one; once all K are at the call,
-`Step.meet` normalizes their pieces together with the whole batch's statistics, and each goes on with
-its own. The backward is one call over the K losses: autograd runs each joint node's backward once
-every micro-batch's gradient at its output is known, which is exactly when the whole batch's sums
-sum(dy) and sum(dy * x_hat) can be formed.
+BatchNorm call it pauses and the driver resumes the next one; once all K are at the call, `Step.meet`
+normalizes the whole batch's input at once (their pieces, concatenated) with torch's own BatchNorm,
+and each goes on with its rows of the output. The backward is one call over the K losses: autograd
+runs each call's BatchNorm backward once every micro-batch's gradient at its output is in, on the
+whole batch, as one backward of the whole batch would.
 
-Cost: one forward and one backward of each micro-batch, as plain accumulation, at any depth. Price:
+Cost: one forward and one backward of each micro-batch, as plain accumulation, at any depth, plus a
+copy of each BatchNorm call's input and output (and of its output gradient in the backward). Price:
 the K graphs live together until the backward, so autograd's saved tensors of the whole batch are
 kept, in `store` (on CUDA, pinned host memory by default: the device then holds about one
 micro-batch's activations plus the tensors that cross the current BatchNorm call for all K).
@@ -18,7 +19,7 @@ swap torch's per-thread state (`ThreadState`: grad mode, autocast, saved-tensor 
 stream) and their random streams (`StepRng`), so each runs as it would alone. A BatchNorm call inside
 a `checkpoint(use_reentrant=False)` region is recorded with its region (`Regions`); its recomputation
 in the backward gives the same output from the same whole-batch statistics and saves nothing in the
-region's place, as the joint node did in the forward.
+region's place, as the call in the forward, which ran in the driver.
 """
 from __future__ import annotations
 
@@ -30,9 +31,7 @@ import greenlet
 import torch
 from torch import Tensor
 
-from ..functional import moments
 from .calls import BNCall, INCall
-from .joint import normalize_piece
 from .outputs import concatenate
 from .step import Step
 from .store import Store
@@ -56,7 +55,7 @@ class _Lockstep:
         with self.store.hooks() if self.store is not None else nullcontext():
             roots = self._forwards()
         if roots:
-            # One backward over every micro-batch: the joint nodes need all K gradients at once.
+            # One backward over every micro-batch: each met call's backward needs all K gradients at once.
             torch.autograd.backward(roots)
             self.step.interrupts.check()
 
@@ -75,9 +74,9 @@ class _Lockstep:
                 calls = [end if isinstance(end, BNCall) else None for end in ends]
                 if None in calls:
                     step.check_same(calls, index)  # raises: not all at a BatchNorm call
-                joined, joint = step.meet(calls, index)
+                outputs, recompute = step.meet(calls, index)
                 index += 1
-                ends = [self._resume(k, (x, joint)) for k, x in zip(k_all, joined)]
+                ends = [self._resume(k, (y, recompute)) for k, y in zip(k_all, outputs)]
         except BaseException:
             self._abort()
             raise
@@ -130,19 +129,17 @@ class _Lockstep:
         if self.current is None:
             raise RuntimeError(f"bn='exact' met a BatchNorm call outside the micro-batches' forwards "
                                f"({self.step.describe(call)})")
-        with torch.no_grad():  # while the input is fresh in cache
-            call.moments = moments(call.input)
-        own = ThreadState.capture()
+        own = ThreadState.capture(call.modes)
         try:
             self.base.apply(own)
-            joined, joint = self.driver.switch(call)  # the driver comes back once all K have met, in its state
+            y, recompute = self.driver.switch(call)  # the driver comes back once all K have met, in its state
         except BaseException:  # unwound by the driver: back to this micro-batch's state, from wherever it is
             own.apply(ThreadState.capture())
             raise
         own.apply(self.base)
-        # In a checkpointed region the piece saves its input in the region's place; its recomputation does again.
-        self.step.regions.enter_forward_call(lambda x: normalize_piece(x, joint))
-        return normalize_piece(joined, joint)
+        # In a checkpointed region, the region's recomputation gives the same output again.
+        self.step.regions.enter_forward_call(recompute, own.saved_tensor_hooks)
+        return y
 
     def _instance_norm(self, call: INCall) -> Tensor:
         k = self.current

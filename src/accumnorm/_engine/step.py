@@ -1,12 +1,14 @@
 """One `accumnorm.backward` call, and the round protocol every exact schedule uses to make it exact.
 
-The micro-batches of a step must make the same normalization calls in the same order: call j of
-micro-batch k is the k-th piece of call j of the whole batch. `Step.check_same` holds them to that
-(shape past the batch dimension, dtype, device, parameters, buffers, eps, modes) and says what differs
-where; `Step.joint_moments` merges their statistics over micro-batches and ranks; `Step.meet` does
-both and normalizes all K pieces with one autograd node. Every call met is recorded, and
-`update_running_stats` applies one running-statistics update per call at the end, as one forward of
-the whole batch would.
+The micro-batches of a step must make the same normalization calls in the same order: call j of micro-batch
+k is the k-th piece of call j of the whole batch. `Step.check_same` holds them to that (shape past the batch
+dimension, dtype, device, parameters, buffers, eps, modes) and says what differs where. `Step.meet` checks
+the K pieces and makes them one call of the whole batch (`whole`: their inputs concatenated, normalized by
+torch's own `batch_norm`, whole-batch statistics, backward and running-statistics update, as one forward of
+the whole batch would make them; across ranks, reduced as SyncBatchNorm reduces them, `joint`), and each
+micro-batch goes on with its rows of the output. A schedule that meets the calls otherwise (passes) merges
+the statistics with `Step.joint_moments` and `record`s the call: `update_running_stats` applies one update
+per such call at the end of the step.
 """
 from __future__ import annotations
 
@@ -22,13 +24,13 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._dist import Collectives
-from ..functional import Moments, combine_moments, update_running_stats_
+from ..functional import Moments, combine_moments, moments, update_running_stats_
 from .calls import BNCall, INCall, NormCalls, describe
 from .checkpoint import Regions
 from .interrupts import SigintDeferred
-from .joint import Joint, join
 from .objective import BatchLoss, MicroBatchLoss
 from .rng import StepRng
+from .whole import Recompute, normalize_whole
 
 __all__ = ["Step"]
 
@@ -51,19 +53,24 @@ class Step:
     BatchNorm call (`meet`, or `check_same` + `joint_moments` + `record`).
     """
 
-    def __init__(self, model: nn.Module, micro_batches: list[Any], objective: MicroBatchLoss | BatchLoss,
+    def __init__(self, model: nn.Module, modules: list[nn.Module], micro_batches: list[Any],
+                 objective: MicroBatchLoss | BatchLoss,
                  collectives: Collectives, rng: StepRng, interrupts: SigintDeferred,
-                 restore_buffers: Callable[[], None]) -> None:
+                 restore_buffers: Callable[[], None], tracked_before: dict[_BatchNorm, Tensor]) -> None:
         self.model, self.micro_batches, self.objective = model, micro_batches, objective
+        # Each BatchNorm module's num_batches_tracked before the step: the micro-batch forwards bump it once per
+        # call each, whole-batch torch once per call.
+        self.tracked_before = tracked_before
+        self.calls_so_far: Counter[nn.Module] = Counter()  # whole-batch calls met, per BatchNorm module
         self.collectives, self.rng = collectives, rng
         self.interrupts = interrupts  # a schedule calls interrupts.check() at each of its safe points
         self.restore_buffers = restore_buffers  # undoes what a forward did to the buffers (a forward run twice)
         # Each buffer's module: a call's running statistics name the layer it belongs to.
-        self.owners = {id(b): m for m in model.modules() for b in m._buffers.values() if b is not None}
+        self.owners = {id(b): m for m in modules for b in m._buffers.values() if b is not None}
         self.seen: Counter[nn.Module] = Counter()  # batch-statistics calls the schedule saw, per owning module
         self.losses: list[Tensor | None] = [None] * len(micro_batches)
         self.whole_loss: Tensor | None = None
-        self.batch_norms: list[tuple[BNCall, Moments]] = []  # the whole batch's BatchNorm calls, in order
+        self.batch_norms: list[tuple[BNCall, Moments, float]] = []  # recorded calls, to update at the end
         self.instance_norms: list[_InstanceNormStats] = []
         self.regions = Regions(self.norm_calls)
         self._names: dict[nn.Module, str] | None = None
@@ -93,18 +100,18 @@ class Step:
         return self.collectives.sum_(losses @ weights)
 
     # ---------------------------------------------------------------- the round protocol
-    def meet(self, calls: Sequence[BNCall], index: int) -> tuple[list[Tensor], Joint]:
-        """The K micro-batches' pieces of BatchNorm call `index` (each with its `moments`), joined into one call of
-        the whole batch: its statistics over every micro-batch and rank, and one autograd node whose backward
-        runs once every piece's gradient is known (it needs their sums). Each piece is then normalized by
-        `joint.normalize_piece(joined[k], joint)`."""
+    def meet(self, calls: Sequence[BNCall], index: int) -> tuple[list[Tensor], Recompute]:
+        """The K micro-batches' pieces of BatchNorm call `index`, made one call of the whole batch (`whole`): each
+        piece's rows of its output, and how to give a piece's output again from its input (for a checkpointed
+        region's recomputation: the whole batch's statistics, no running-statistics update, nothing saved)."""
         self.check_same(calls, index)
         self.check_count([tuple(c.input.shape) for c in calls])
-        stats = self.joint_moments([c.moments for c in calls])
-        first = self.record(calls[0], stats)
-        joint = Joint(stats, first.weight, first.bias, first.eps, self.collectives.sum_)
+        first = calls[0]
         with first.modes.entered():
-            return list(join([c.input for c in calls], joint)), joint
+            if self.collectives.group is None:
+                return normalize_whole(calls, self.count_call(first))
+            return normalize_whole(calls, None, lambda x: self.record(first, self.joint_moments([moments(x)])),
+                                   self.collectives.sum_)
 
     def check_same(self, calls: Sequence[BNCall | None], index: int, micro_batches: Sequence[int] | None = None,
                    grad_mode: bool = True) -> None:
@@ -113,6 +120,8 @@ class Step:
         `calls[i]` is micro-batch `micro_batches[i]`'s (default: i's) piece; `grad_mode`: the grad modes must agree.
         """
         first = calls[0]
+        if first is not None and all(call is not None and _identical(first, call) for call in calls):
+            return
         for i, call in enumerate(calls):
             problem = _difference(first, call, grad_mode, self.names)
             if problem is not None:
@@ -133,15 +142,24 @@ class Step:
         """The moments of the whole batch (every micro-batch, every rank) from each micro-batch's."""
         return self.collectives.merge_moments(combine_moments(parts))
 
-    def record(self, call: BNCall, stats: Moments) -> BNCall:
+    def record(self, call: BNCall, stats: Moments) -> Moments:
         """Note a BatchNorm call of the whole batch, with its statistics, for the running-statistics update."""
-        if call.running_mean is not None and call.module is None:
+        self.batch_norms.append((call, stats, self.count_call(call)))
+        return stats
+
+    def count_call(self, call: BNCall) -> float | None:
+        """Count a BatchNorm call of the whole batch; the factor its running statistics move by."""
+        m = call.module
+        if call.running_mean is not None and m is None:
             raise ValueError(
                 f"bn='exact' met a F.batch_norm call over {call.input.shape[1]} channels whose running statistics "
                 "are not buffers of the model (a BatchNorm layer outside it?): accumnorm could neither update them "
                 "once per step nor restore them on an error. Make the layer part of the model")
-        self.batch_norms.append((call, stats))
-        return call
+        if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
+            self.calls_so_far[m] += 1
+            if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
+                return 1.0 / float(self.tracked_before[m] + self.calls_so_far[m])
+        return call.momentum
 
     def instance_norm(self, call: INCall, index: int) -> None:
         """Add micro-batch's piece of InstanceNorm call `index` (in its forward) to the whole batch's statistics."""
@@ -164,19 +182,10 @@ class Step:
         entry.sum_var = entry.sum_var + var.sum(0)
 
     # ---------------------------------------------------------------- the end of the step
-    def update_running_stats(self, tracked_before: dict[_BatchNorm, Tensor]) -> None:
-        """One running-statistics update per call, in forward order, as torch's whole-batch forward makes them.
-
-        `tracked_before` holds each BatchNorm module's `num_batches_tracked` from before the step: the micro-batch
-        forwards bumped it once per call each, whole-batch torch bumps it once per call.
-        """
-        calls_so_far: dict[nn.Module, int] = {}
-        for call, stats in self.batch_norms:
-            m, factor = call.module, call.momentum
-            if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
-                calls_so_far[m] = calls_so_far.get(m, 0) + 1
-                if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
-                    factor = 1.0 / float(tracked_before[m] + calls_so_far[m])
+    def update_running_stats(self) -> None:
+        """The running-statistics updates of the calls `record`ed, and of InstanceNorm's, one per call in forward
+        order, as torch's whole-batch forward makes them; each BatchNorm's num_batches_tracked one up per call."""
+        for call, stats, factor in self.batch_norms:
             if call.running_mean is not None:
                 update_running_stats_(call.running_mean, call.running_var, stats.mean,
                                       stats.m2 / (stats.count - 1), factor)
@@ -186,8 +195,8 @@ class Step:
             n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
             update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
         with torch.no_grad():
-            for m, before in tracked_before.items():
-                m.num_batches_tracked.copy_(before + calls_so_far.get(m, 0))
+            for m, before in self.tracked_before.items():
+                m.num_batches_tracked.copy_(before + self.calls_so_far.get(m, 0))
 
     def describe(self, call: BNCall | INCall) -> str:
         return describe(call, self.names)
@@ -198,6 +207,16 @@ class Step:
         if self._names is None:
             self._names = {m: name or "(the model)" for name, m in self.model.named_modules()}
         return self._names
+
+
+def _identical(first: BNCall, call: BNCall) -> bool:
+    """Whether two pieces are of one call by the quick test: the same arguments, tensors, layer and modes.
+    `_difference` decides (and says what differs) when this one does not pass."""
+    x, x0 = call.input, first.input
+    return (x.shape[1:] == x0.shape[1:] and x.dtype == x0.dtype and x.device == x0.device
+            and call.module is first.module and call.eps == first.eps and call.momentum == first.momentum
+            and call.modes == first.modes and call.running_mean is first.running_mean
+            and call.running_var is first.running_var and call.weight is first.weight and call.bias is first.bias)
 
 
 def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool,

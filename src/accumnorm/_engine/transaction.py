@@ -23,14 +23,20 @@ class Transaction:
     """What a step may change in `model`: every parameter's `.grad` and every buffer (module doc)."""
 
     def __init__(self, model: nn.Module) -> None:
+        self.modules = list(model.modules())  # every module, once: what the step walks over
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grads: list[Tensor | None] = [p.grad for p in self.params]
         # (module, name, the buffer object, a copy of its values): a forward may change a buffer in place or
         # replace it by another tensor; both are undone.
-        self.buffers = [(m, name, b, b.clone()) for m in model.modules() for name, b in m._buffers.items()
+        self.buffers = [(m, name, b, b.clone()) for m in self.modules for name, b in m._buffers.items()
                         if b is not None and not is_lazy(b)]
-        self.lazy = [_Lazy(m) for m in model.modules()
+        self.lazy = [_Lazy(m) for m in self.modules
                      if any(t is not None and is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()))]
+
+    def cuda_devices(self) -> list[int]:
+        """The CUDA devices the model's parameters and buffers are on."""
+        tensors = (*self.params, *(b for _, _, b, _ in self.buffers))
+        return sorted({t.device.index for t in tensors if t.device.type == "cuda"})
 
     def begin(self) -> None:
         """Set the caller's gradients aside: the step accumulates into fresh ones."""
