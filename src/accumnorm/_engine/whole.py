@@ -53,12 +53,11 @@ class _Rows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, sizes):  # type: ignore[override]
-        blocks, start = [], 0
-        for n in sizes:
-            rows = y.narrow(0, start, n)
-            blocks.append(y.new_empty(0).set_(y.untyped_storage(), rows.storage_offset(), rows.shape, rows.stride()))
-            start += n
-        return tuple(blocks)
+        # Each block gets a version counter of its own, unlike split's or detach's views: an in-place change to
+        # one must not invalidate what autograd saved of another.
+        storage = y.untyped_storage()
+        return tuple(y.new_empty(0).set_(storage, rows.storage_offset(), rows.shape, rows.stride())
+                     for rows in y.split(sizes))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
