@@ -161,7 +161,7 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
         loss = step.result()
         collectives.sum_grads_(transaction.params)
         if exact:
-            check_every_call_seen(step, tracked_before)
+            check_every_call_seen(step)
             step.update_running_stats()
         for m in transaction.modules:
             if hasattr(type(m), "accumnorm_step_end"):

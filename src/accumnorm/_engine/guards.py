@@ -14,7 +14,6 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
-from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .step import Step
@@ -41,12 +40,13 @@ def refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
                              f"schedule: {reason}")
 
 
-def check_every_call_seen(step: Step, tracked_before: dict[_BatchNorm, Tensor]) -> None:
+def check_every_call_seen(step: Step) -> None:
     """Each BatchNorm forward in training bumps num_batches_tracked: every bump must be a call the step saw.
 
     A call that ran where no TorchFunctionMode reaches (TorchScript, a compiled graph, a thread of its own, C++)
     normalized with one micro-batch's statistics: the step is refused rather than silently wrong.
     """
+    tracked_before = step.tracked_before
     by_device: dict[torch.device, list[_BatchNorm]] = {}
     for m in tracked_before:
         by_device.setdefault(m.num_batches_tracked.device, []).append(m)

@@ -8,7 +8,7 @@ runs each call's BatchNorm backward once every micro-batch's gradient at its out
 whole batch, as one backward of the whole batch would.
 
 Cost: one forward and one backward of each micro-batch, as plain accumulation, at any depth, plus a
-copy of each BatchNorm call's input and output (and of its output gradient in the backward). Price:
+copy of each BatchNorm call's input (and of its output gradient in the backward). Price:
 the K graphs live together until the backward, so autograd's saved tensors of the whole batch are
 kept, in `store` (on CUDA, pinned host memory by default: the device then holds about one
 micro-batch's activations plus the tensors that cross the current BatchNorm call for all K).

@@ -70,7 +70,7 @@ class Step:
         self.seen: Counter[nn.Module] = Counter()  # batch-statistics calls the schedule saw, per owning module
         self.losses: list[Tensor | None] = [None] * len(micro_batches)
         self.whole_loss: Tensor | None = None
-        self.batch_norms: list[tuple[BNCall, Moments, float]] = []  # recorded calls, to update at the end
+        self.batch_norms: list[tuple[BNCall, Moments, float | None]] = []  # recorded calls, to update at the end
         self.instance_norms: list[_InstanceNormStats] = []
         self.regions = Regions(self.norm_calls)
         self._names: dict[nn.Module, str] | None = None

@@ -34,9 +34,9 @@ class Transaction:
                      if any(t is not None and is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()))]
 
     def cuda_devices(self) -> list[int]:
-        """The CUDA devices the model's parameters and buffers are on."""
-        tensors = (*self.params, *(b for _, _, b, _ in self.buffers))
-        return sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+        """The CUDA devices the model's parameters and buffers are on (frozen and lazy ones too)."""
+        return sorted({t.device.index for m in self.modules for t in (*m._parameters.values(), *m._buffers.values())
+                       if t is not None and t.device.type == "cuda"})
 
     def begin(self) -> None:
         """Set the caller's gradients aside: the step accumulates into fresh ones."""
