@@ -261,6 +261,107 @@ def test_a_batchnorm_forward_the_step_cannot_see_is_refused(schedule):
     assert torch.isfinite(loss)
 
 
+class Counting(torch.overrides.TorchFunctionMode):
+    """A user's mode: counts the torch calls it sees, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class Wrapped(nn.Module):
+    """A conv layer with a forward of its own on the instance, as a library's wrapper sets it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, 10)
+        self.wrapped_calls = 0
+        inner = self.conv.forward
+
+        def forward(x):
+            self.wrapped_calls += 1
+            return inner(x)
+
+        self.conv.forward = forward
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_step_gives_every_layer_its_own_forward_back(schedule, fail):
+    """torch's plain and BatchNorm layers run a forward of the step's for its length; after it, whatever ended it,
+    each layer's forward is its class's again, and one the layer had of its own was kept and called."""
+    model = Wrapped().double()
+    own = vars(model.conv)["forward"]
+    batch = data((1, 6, 6), 8, torch.float64)
+
+    def loss_fn(m, b):
+        if fail and m.wrapped_calls == 3:
+            raise RuntimeError("late failure")
+        return ce_loss(m, b)
+
+    if fail:
+        with pytest.raises(RuntimeError, match="late failure"):
+            accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    else:
+        ref = Wrapped().double()  # not a deep copy, whose wrapper would call the original's layer
+        ref.load_state_dict(model.state_dict())
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+        whole_batch(ref, batch)
+        compare(ref, model, 1e-9)
+    assert model.wrapped_calls >= 3  # the layer's own forward ran in the step
+    assert vars(model.conv)["forward"] is own
+    assert all("forward" not in vars(m) for m in (model, model.bn, model.head))
+
+
+def test_a_mode_of_the_users_sees_every_call_of_torchs_layers(schedule):
+    """A mode the user enters in loss_fn sits above the step's: it sees the calls of torch's layers as without
+    accumnorm (the step lifts only its own mode, when it is the innermost one), and the step stays exact."""
+    ref = vgg(nn.Tanh).double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 8, 8), 8, torch.float64)
+    alone = Counting()
+    with alone:
+        copy.deepcopy(ref)(batch[0][:2])
+    modes = []
+
+    def loss_fn(m, b):
+        modes.append(Counting())
+        with modes[-1]:
+            return ce_loss(m, b)
+
+    accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    whole_batch(ref, batch)
+    compare(ref, ours, 1e-9)
+    whole = [mode for mode in modes if "linear" in mode.calls]  # passes also runs forwards up to a BatchNorm call
+    assert len(whole) >= 4
+    for name in ("conv2d", "batch_norm", "tanh", "max_pool2d", "linear"):
+        assert alone.calls.get(name, 0) > 0, name
+        assert all(mode.calls.get(name, 0) == alone.calls[name] for mode in whole), (name, alone.calls)
+
+
+class BatchNormInConv(nn.Conv2d):
+    """A subclass of a plain layer whose forward makes a BatchNorm call: it runs under the step's mode."""
+
+    def forward(self, x):
+        return F.batch_norm(super().forward(x), None, None, training=True)
+
+
+def test_a_subclass_of_a_plain_layer_runs_under_the_steps_mode(schedule):
+    ref = nn.Sequential(BatchNormInConv(1, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(256, 10)).double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 8, 8), 8, torch.float64)
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    assert rel_err(loss, whole_batch(ref, batch)) < 1e-12
+    compare(ref, ours, 1e-9)
+
+
 def test_a_namedtuple_batch_is_split_field_by_field():
     from collections import namedtuple
 

@@ -23,7 +23,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
-from .guards import check_every_call_seen, has_norm_statistics, refuse_unseen_batch_norms, sync_batch_norm_as_local
+from .forwards import step_forwards
+from .guards import check_every_call_seen, has_norm_statistics, refuse_unseen_batch_norms
 from .interrupts import SigintDeferred
 from .lockstep import layerwise
 from .objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
@@ -156,7 +157,7 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
             return Step(model, transaction.modules, micro_batches, objective, collectives, rng, interrupts,
                         transaction.restore_buffers, tracked_before)
 
-        with sync_batch_norm_as_local(transaction.modules) if exact else nullcontext():
+        with step_forwards(transaction.modules) if exact else nullcontext():
             step = run(new_step, transaction)
         loss = step.result()
         collectives.sum_grads_(transaction.params)

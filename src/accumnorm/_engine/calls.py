@@ -7,7 +7,8 @@ torch's BatchNorm1d/2d/3d, SyncBatchNorm (run as BatchNorm during a step), subcl
 conversion of the model: `NormCalls` hands each batch-statistics call, as a `BNCall`, to the schedule,
 which returns its output. InstanceNorm couples nothing in its output, but one that tracks running
 statistics updates them once per call: its calls go to the schedule too (`INCall`), to be updated
-once per step. Everything else runs untouched.
+once per step. Everything else runs untouched. (`forwards` spares the plain layers of torch the
+mode's cost, and hands torch's BatchNorm layers' calls to it directly.)
 
 A call the schedule could not make exact is refused here: under inference mode or a torch.func
 transform, and inside the forward of a custom `autograd.Function` (`checkpoint(use_reentrant=True)`
@@ -107,12 +108,8 @@ class NormCalls(TorchFunctionMode):
         if func in _BATCH_NORM:
             a = _bind(_BATCH_NORM[func], args, kwargs)
             if a["training"]:
-                self._refuse_where_inexact()
-                owner = self._owner(a["running_mean"])
-                if owner is not None:
-                    self.seen[owner] += 1
-                return self.on_batch_norm(BNCall(a["input"], a["running_mean"], a["running_var"], a["weight"],
-                                                 a["bias"], a["momentum"], a["eps"], owner, Modes.current()))
+                return self.batch_norm(a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"],
+                                       a["momentum"], a["eps"])
         elif func in _INSTANCE_NORM:
             a = _bind(_INSTANCE_NORM[func], args, kwargs)
             rm = a["running_mean"]
@@ -120,6 +117,16 @@ class NormCalls(TorchFunctionMode):
                 return self.on_instance_norm(INCall(a["input"], rm, a["running_var"], a["weight"], a["bias"],
                                                     a["momentum"], a["eps"], self._owner(rm)))
         return func(*args, **kwargs)
+
+    def batch_norm(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,  # noqa: A002
+                   weight: Tensor | None, bias: Tensor | None, momentum: float | None, eps: float) -> Tensor:
+        """A batch-statistics call, with this mode off the thread's stack (as in `__torch_function__`): its output."""
+        self._refuse_where_inexact()
+        owner = self._owner(running_mean)
+        if owner is not None:
+            self.seen[owner] += 1
+        return self.on_batch_norm(BNCall(input, running_mean, running_var, weight, bias, momentum, eps, owner,
+                                         Modes.current()))
 
     def _owner(self, running_mean: Tensor | None) -> nn.Module | None:
         return self.owners.get(id(running_mean)) if running_mean is not None else None

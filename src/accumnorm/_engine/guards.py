@@ -1,16 +1,11 @@
-"""What exact mode refuses, and the one thing it changes on the model for the length of a step.
+"""What exact mode refuses.
 
 Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm,
 nn.DataParallel's replica threads, a layer that declares it through `accumnorm_exact_refusal`). After it:
 every training forward of a BatchNorm layer bumps its `num_batches_tracked`, so a bump the step did not see
-is a call that normalized with one micro-batch's statistics, and the step is refused. During it:
-SyncBatchNorm runs as plain BatchNorm, whose F.batch_norm call the step sees.
+is a call that normalized with one micro-batch's statistics, and the step is refused.
 """
 from __future__ import annotations
-
-import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -18,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .step import Step
 
-__all__ = ["refuse_unseen_batch_norms", "check_every_call_seen", "sync_batch_norm_as_local", "has_norm_statistics"]
+__all__ = ["refuse_unseen_batch_norms", "check_every_call_seen", "has_norm_statistics"]
 
 
 def refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
@@ -59,24 +54,6 @@ def check_every_call_seen(step: Step) -> None:
                     f"{step.names.get(m, '')}: the others ran where accumnorm cannot reach them (TorchScript, a "
                     "torch.compile graph, a thread of their own, C++), with one micro-batch's statistics. Nothing "
                     "was changed. Run that layer as Python in the calling thread, or pass bn='micro'")
-
-
-@contextmanager
-def sync_batch_norm_as_local(modules: list[nn.Module]) -> Iterator[None]:
-    """Run the SyncBatchNorm layers among `modules` as plain BatchNorm for the step: the schedule reduces over
-    micro-batches and ranks.
-
-    NOTE: SyncBatchNorm under an initialized process group would call its own collective kernel, which
-    neither sees the other micro-batches nor runs on CPU; its `_BatchNorm.forward` ends in F.batch_norm.
-    """
-    syncs = [m for m in modules if isinstance(m, nn.SyncBatchNorm)]
-    for m in syncs:
-        m.forward = types.MethodType(_BatchNorm.forward, m)
-    try:
-        yield
-    finally:
-        for m in syncs:
-            vars(m).pop("forward", None)
 
 
 def has_norm_statistics(model: nn.Module) -> bool:
