@@ -35,6 +35,8 @@ class Transaction:
 
     def cuda_devices(self) -> list[int]:
         """The CUDA devices the model's parameters and buffers are on (frozen and lazy ones too)."""
+        if not torch.cuda.is_initialized():  # a CUDA tensor initializes CUDA: none exists yet
+            return []
         return sorted({t.device.index for m in self.modules for t in (*m._parameters.values(), *m._buffers.values())
                        if t is not None and t.device.type == "cuda"})
 
