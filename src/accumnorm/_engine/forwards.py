@@ -4,7 +4,7 @@ The step's TorchFunctionMode (`calls.NormCalls`) costs a round trip through Pyth
 sees, which on a model of many small layers weighs as much as the rest of the step's overhead. Most calls
 come from torch's own layers, whose code is known, so for the length of a step:
 
-- torch's plain layers (`PLAIN_LAYERS`: convolutions, linear layers, activations, pooling, dropout), which
+- torch's plain layers (`_PLAIN_LAYERS`: convolutions, linear layers, activations, pooling, dropout), which
   make no normalization call and run none of the user's code, run with the mode lifted;
 - torch's BatchNorm layers run `_BatchNorm.forward` with the mode lifted and hand their one call to it
   directly, as F.batch_norm would have through it;
@@ -31,13 +31,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .calls import NormCalls
 
-__all__ = ["step_forwards", "PLAIN_LAYERS"]
+__all__ = ["step_forwards"]
 
 _C = torch._C
 
 # torch's layers whose forward is a functional call or two, none of them a batch or instance norm: exact classes
 # only (a subclass's forward is anyone's).
-PLAIN_LAYERS = frozenset({
+_PLAIN_LAYERS = frozenset({
     nn.Identity, nn.Flatten, nn.Unflatten, nn.Linear, nn.Bilinear, nn.Embedding, nn.LayerNorm, nn.GroupNorm,
     nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
     nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU, nn.Mish, nn.Sigmoid,
@@ -57,7 +57,7 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
     for m in modules:
         if "forward" in vars(m):
             continue
-        if type(m) in PLAIN_LAYERS:
+        if type(m) in _PLAIN_LAYERS:
             m.forward = types.MethodType(_plain_forward, m)
         elif type(m) in _BATCH_NORM_LAYERS or isinstance(m, nn.SyncBatchNorm):
             m.forward = types.MethodType(_batch_norm_forward, m)

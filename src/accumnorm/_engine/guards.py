@@ -28,8 +28,9 @@ def refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
             raise ValueError(f"bn='exact' cannot see the BatchNorm calls of nn.DataParallel ({where}): its replicas "
                              "run in threads of their own. Use torch.distributed (accumnorm.backward's process_group, "
                              "or the Trainer under torchrun), or one device")
-        refusal = getattr(type(m), "accumnorm_exact_refusal", None)  # a method: on the class (nn.Module's
-        reason = refusal(m, schedule) if callable(refusal) else None  # __getattr__ is slow to say it has none)
+        # A method, looked up on the class: nn.Module's __getattr__ is slow to say a module has none.
+        refusal = getattr(type(m), "accumnorm_exact_refusal", None)
+        reason = refusal(m, schedule) if callable(refusal) else None
         if reason:
             raise ValueError(f"bn='exact' cannot make {type(m).__name__} ({where}) exact under the {schedule} "
                              f"schedule: {reason}")
