@@ -23,6 +23,12 @@ two views of each digit, with NT-Xent over the whole batch (exact: accumnorm.bac
 each micro-batch's own NT-Xent, as plain accumulation takes it). A model whose library is not installed is
 skipped with a note; a schedule that fails on a model shows "failed" and the error goes to stderr.
 
+On a CPU with glibc, the process keeps the memory it frees for reuse (`--allocator keep`, the default), as
+torch's CUDA caching allocator does on a GPU, and as jemalloc or tcmalloc, which PyTorch's CPU tuning guide
+recommends, do: by default glibc hands large freed blocks back to the OS and the next step faults them in
+again, thousands of page faults per step or none depending on the heap's history, not on the method
+measured. `--allocator glibc` measures with glibc's defaults.
+
     python benchmarks/bench_backward.py                    # every model, 64x64, 4x4 and 2x8, 2 threads
     python benchmarks/bench_backward.py --models resnet18 --splits 4x4 --rounds 3 --passes-rounds 1
     python benchmarks/bench_backward.py --models yolov8n,smp_unet --markdown   # a table to paste into a README
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import statistics
 import sys
 import time
@@ -236,7 +243,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads (0: torch's default)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--markdown", action="store_true", help="print the table in markdown, to paste into a README")
+    p.add_argument("--allocator", choices=("keep", "glibc"), default="keep",
+                   help="keep: glibc keeps freed memory for reuse (default); glibc: its defaults (see above)")
     args = p.parse_args()
+    args.allocator = keep_freed_memory() if args.allocator == "keep" else "glibc's defaults"
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -263,11 +273,25 @@ def main() -> None:
             print(row(cells(name, micro, calls, r), args.markdown), flush=True)
 
 
+def keep_freed_memory() -> str:
+    """Have glibc keep freed memory for reuse (module doc): no trimming of the heap's top, and blocks up to its
+    largest mmap threshold (32 MiB) from the heap. Says what the allocator does now."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return "the C library's defaults (not glibc)"
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if mallopt(m_trim_threshold, 1 << 30) != 1 or mallopt(m_mmap_threshold, 32 << 20) != 1:
+        return "glibc's defaults (mallopt refused)"
+    return "glibc keeping freed memory"
+
+
 def print_header(args: argparse.Namespace, device: torch.device) -> None:
     mem = "saved MiB" if device.type == "cpu" else "peak MiB"
     print(f"batch {BATCH} at {args.size}x{args.size} (3D: {args.volume}^3), {device}, {torch.get_num_threads()} "
           f"threads, median of {args.rounds} interleaved rounds ({args.passes_rounds} for passes, skipped over "
-          f"{args.skip_passes_over} BN calls); memory: "
+          f"{args.skip_passes_over} BN calls), {args.allocator}; memory: "
           + ("peak MiB of autograd's saved tensors" if device.type == "cpu" else "peak MiB allocated on the device"))
     if args.markdown:
         print()
