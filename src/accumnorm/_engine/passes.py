@@ -52,7 +52,7 @@ class _Call:
     def __init__(self, first: BNCall) -> None:
         self.first = first  # micro-batch 0's piece of the call, as the statistics pass met it
         self.parts: list[Moments] = []  # per-micro-batch moments during its statistics pass
-        self.shapes: list[tuple[int, ...]] = []  # and the input shapes they come from
+        self.rows = 0  # and the samples they come from
         self.sums: GradSums | None = None
         self.input: Tensor | None = None  # the BN input of the current micro-batch, for sums/correction passes
 
@@ -102,7 +102,7 @@ class _Passes:
         if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
             if i == self.target:
                 call.parts.append(moments(x))
-                call.shapes.append(tuple(x.shape))
+                call.rows += x.shape[0]
                 raise _Stop
             return normalize_with(x, call.stats.mean, call.stats.var, w, b, eps)
         if self.mode == self.SUMS and i == self.target:
@@ -161,7 +161,7 @@ class _Passes:
                     if self._forward(k) is not _STOPPED:  # micro-batch 0 never reached call j: there are j
                         return
             call = self.calls[j]
-            self.step.check_count(call.shapes)
+            self.step.check_count(call.rows, call.first.input.shape)
             call.first.stats = self.step.joint_moments(call.parts)
             self.step.record(call.first, call.first.stats)
             call.parts = []

@@ -105,7 +105,7 @@ class Step:
         piece's rows of its output, and how to give a piece's output again from its input (for a checkpointed
         region's recomputation: the whole batch's statistics, no running-statistics update, nothing saved)."""
         self.check_same(calls, index)
-        self.check_count([tuple(c.input.shape) for c in calls])
+        self.check_count(sum(c.input.shape[0] for c in calls), calls[0].input.shape)
         first = calls[0]
         with first.modes.entered():
             if self.collectives.group is None:
@@ -120,7 +120,7 @@ class Step:
         `calls[i]` is micro-batch `micro_batches[i]`'s (default: i's) piece; `grad_mode`: the grad modes must agree.
         """
         first = calls[0]
-        if first is not None and all(call is not None and _identical(first, call) for call in calls):
+        if first is not None and all(call is not None and _identical(first, call) for call in calls[1:]):
             return
         for i, call in enumerate(calls):
             problem = _difference(first, call, grad_mode, self.names)
@@ -131,12 +131,12 @@ class Step:
                     f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made "
                     f"{self.describe(first) if first is not None else 'none'}")
 
-    def check_count(self, shapes: Sequence[tuple[int, ...]]) -> None:
-        """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch)."""
-        per_channel = sum(math.prod(shape) // shape[1] for shape in shapes)
-        if self.collectives.group is None and per_channel <= 1:
-            size = (sum(shape[0] for shape in shapes), *shapes[0][1:])
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {size}")
+    def check_count(self, rows: int, shape: Sequence[int]) -> None:
+        """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch of `rows`
+        samples, each of `shape` past the batch dimension, as checked by `check_same`)."""
+        if self.collectives.group is None and rows * math.prod(shape[2:]) <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                             f"{(rows, *shape[1:])}")
 
     def joint_moments(self, parts: list[Moments]) -> Moments:
         """The moments of the whole batch (every micro-batch, every rank) from each micro-batch's."""

@@ -11,7 +11,7 @@ found it: `apply` verifies that, and refuses rather than run on in a state it ca
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -52,18 +52,22 @@ class Modes(NamedTuple):
         if self.autocast_cache != current.autocast_cache:
             torch.set_autocast_cache_enabled(self.autocast_cache)
 
-    @contextmanager
-    def entered(self) -> Iterator[None]:
+    def entered(self) -> AbstractContextManager[None]:
         """Run the block in these modes, then go back to the ones before."""
         before = Modes.current()
-        if before == self:
-            yield
-            return
-        self.apply(before)
-        try:
-            yield
-        finally:
-            before.apply(self)
+        return _SAME if before == self else _modes_entered(self, before)
+
+
+_SAME = nullcontext()  # a block already in the modes it wants: a check per BatchNorm call, so no generator
+
+
+@contextmanager
+def _modes_entered(modes: Modes, before: Modes) -> Iterator[None]:
+    modes.apply(before)
+    try:
+        yield
+    finally:
+        before.apply(modes)
 
 
 class ThreadState(NamedTuple):
@@ -89,7 +93,7 @@ class ThreadState(NamedTuple):
         return cls(
             Modes.current() if modes is None else modes,
             tuple(map(_C._get_function_stack_at, range(function_modes))) if function_modes else (),
-            _torch_function_state(),
+            _C._get_torch_function_state(),
             tuple(map(_C._get_dispatch_stack_at, range(dispatch_modes))) if dispatch_modes else (),
             saved_tensor_hooks(),
             None if _C._autograd._saved_tensors_hooks_is_enabled()
@@ -121,7 +125,7 @@ class ThreadState(NamedTuple):
             for mode in self.function_modes:
                 _C._push_on_torch_function_stack(mode)
         if self.function_state != current.function_state:
-            _C._set_torch_function_state(self.function_state)  # torch >= 2.6; always equal before (see below)
+            _C._set_torch_function_state(self.function_state)
         if self.dispatch_modes != current.dispatch_modes:
             while _C._len_torch_dispatch_stack():
                 _C._pop_torch_dispatch_stack(None)
@@ -163,9 +167,11 @@ def autocast_cache_off() -> Iterator[None]:
 def saved_tensor_hooks() -> tuple[tuple[Any, Any], ...]:
     """The thread's stack of default saved-tensor hooks, bottom to top (torch exposes only its top: the stack is
     read by popping it, and pushed back whatever interrupts the reading)."""
+    top = _C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:  # the usual case, read at every switch
+        return ()
     popped = []
     try:
-        top = _C._autograd._top_saved_tensors_default_hooks(False)
         while top is not None:
             _C._autograd._pop_saved_tensors_default_hooks()
             popped.append(top)
@@ -174,13 +180,6 @@ def saved_tensor_hooks() -> tuple[tuple[Any, Any], ...]:
         for pack, unpack in reversed(popped):
             _C._autograd._push_saved_tensors_default_hooks(pack, unpack)
     return tuple(reversed(popped))
-
-
-def _torch_function_state() -> Any:
-    """Whether torch-function handling is on, off for subclasses, or off; None on torch < 2.6, which cannot set it
-    (a switch happens inside the step's mode, where it is on)."""
-    get = getattr(_C, "_get_torch_function_state", None)
-    return get() if get is not None else None
 
 
 def _keys() -> tuple[int, int]:

@@ -2,8 +2,8 @@
 
 The pieces' inputs are concatenated into the whole batch's input, which torch's own `batch_norm` normalizes
 (its statistics, backward and running-statistics update, as one forward of the whole batch would make
-them; across ranks, `joint.normalize_across_ranks`). Each micro-batch goes on with its rows of the output
-(`_Rows`). A checkpointed region gives a piece's output again in its recomputation (`Recompute`).
+them; across ranks, `joint.normalize_across_ranks`). Each micro-batch goes on with its rows of the output.
+A checkpointed region gives a piece's output again in its recomputation (`Recompute`).
 """
 from __future__ import annotations
 
@@ -37,32 +37,12 @@ def normalize_whole(calls: Sequence[BNCall], momentum: float | None,
     else:
         stats = across_ranks(x)
         y = normalize_across_ranks(x, stats, first.weight, first.bias, first.eps, reduce_sums)
-    outputs = [y] if len(calls) == 1 else list(_Rows.apply(y, [c.input.shape[0] for c in calls]))
+    # Not `split`'s views: a micro-batch may change its rows in place (`ReLU(inplace=True)` after BatchNorm), which
+    # autograd refuses on one of several views of one tensor. `unsafe_split` gives each block a version counter of
+    # its own, so an in-place change to one invalidates nothing saved of another; the blocks do not overlap, and
+    # the whole output is nobody's saved tensor (BatchNorm's backward reads its input), so that is safe here.
+    outputs = [y] if len(calls) == 1 else list(y.unsafe_split_with_sizes([c.input.shape[0] for c in calls]))
     return outputs, Recompute(first, x, stats, y.requires_grad)
-
-
-class _Rows(torch.autograd.Function):
-    """The row blocks of a tensor as tensors of their own that share its memory; the backward concatenates their
-    gradients.
-
-    Not `split`'s views: a micro-batch may change its block in place (`ReLU(inplace=True)` after BatchNorm),
-    which autograd refuses on one of several views of one tensor. The blocks do not overlap, and the whole
-    output is nobody's saved tensor (BatchNorm's backward reads its input), so nothing sees one block change but
-    its own micro-batch.
-    """
-
-    @staticmethod
-    def forward(ctx, y, sizes):  # type: ignore[override]
-        # Each block gets a version counter of its own, unlike split's or detach's views: an in-place change to
-        # one must not invalidate what autograd saved of another.
-        storage = y.untyped_storage()
-        return tuple(y.new_empty(0).set_(storage, rows.storage_offset(), rows.shape, rows.stride())
-                     for rows in y.split(sizes))
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grads):  # type: ignore[override]
-        return torch.cat(grads), None
 
 
 class Recompute:
