@@ -7,10 +7,11 @@ gradient is made three ways, interleaved round by round so that machine noise hi
   layerwise  accumnorm.backward(schedule="layerwise"): micro-batches in lockstep, one whole-batch BN per BN call
   passes     accumnorm.backward(schedule="passes"): 2L + 1 passes for L BN calls (skipped above --skip-passes-over)
 
-and prints the median milliseconds per step, each schedule's ratio to plain, and the memory each holds:
-the peak bytes of autograd's saved tensors during the step (each storage counted once), which for the
-layerwise schedule on a CPU is its store (the whole batch's saved tensors), and on CUDA the peak of
-torch.cuda.max_memory_allocated (the store then lives in pinned host memory). "BN" is the number of
+and prints the median milliseconds per step, each schedule's ratio to plain (the median over rounds of its
+time over plain's in the same round), and the memory each holds: the peak bytes of autograd's saved tensors
+during the step (each storage counted once), which for the layerwise schedule on a CPU is its store (the
+whole batch's saved tensors), and on CUDA the peak of torch.cuda.max_memory_allocated (the store then lives
+in pinned host memory). "BN" is the number of
 training-mode F.batch_norm calls one forward makes (L above).
 
 The models (benchmarks/_models.py, each with its own batch and loss, all from their configs, no weights):
@@ -163,7 +164,9 @@ def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.dev
     return time.perf_counter() - start
 
 
-Result = tuple[float, int] | str  # (median seconds, nan if not timed; peak bytes), or why there is none
+# (median seconds, nan if not timed; median over rounds of the round's time over plain's; peak bytes), or why there
+# is none
+Result = tuple[float, float, int] | str
 
 
 def bench(name: str, base: nn.Module, batch: Batch, micro: int, methods: list[str], args: argparse.Namespace,
@@ -192,12 +195,19 @@ def bench(name: str, base: nn.Module, batch: Batch, micro: int, methods: list[st
     for m in steps:
         peaks[m] = attempt(m, memory)
     for r in range(args.rounds):
-        for m in methods:
-            if m != "passes" or r < args.passes_rounds:
-                times[m].append(attempt(m, timed))
-    nan = float("nan")
-    return {m: "failed" if m in failed else (statistics.median(times[m]) if times.get(m) else nan, peaks[m])
-            for m in steps}
+        # Every other round in reverse order: a method gains nothing from its place in the round.
+        for m in methods if r % 2 == 0 else methods[::-1]:
+            times[m].append(attempt(m, timed) if m != "passes" or r < args.passes_rounds else None)
+    return {m: "failed" if m in failed else (*_summary(times.get(m, []), times["plain"]), peaks[m]) for m in steps}
+
+
+def _summary(times: list[float | None], plain: list[float | None]) -> tuple[float, float]:
+    """The median time, and the median of each round's time over plain's in the same round: the machine's speed
+    drifts over a run, and a ratio within one round cancels what the drift does to both."""
+    pairs = [(t, p) for t, p in zip(times, plain) if t is not None and p is not None]
+    if not pairs:
+        return float("nan"), float("nan")
+    return statistics.median(t for t, _ in pairs), statistics.median(t / p for t, p in pairs)
 
 
 # (text header, markdown header, text width): the text table is fixed-width, the markdown one pipe-separated
@@ -213,18 +223,16 @@ def row(cells: list[str], markdown: bool) -> str:
 
 
 def cells(name: str, micro: int, calls: int, r: dict[str, Result]) -> list[str]:
-    plain = r["plain"][0] if isinstance(r["plain"], tuple) else float("nan")
-
     def ms(m: str) -> str:
         if isinstance(r[m], str):
             return r[m]
-        t = r[m][0]
+        t, ratio, _ = r[m]
         if t != t:  # not timed (--passes-rounds 0)
             return "-"
-        return f"{t * 1e3:.0f}" if m == "plain" or plain != plain else f"{t * 1e3:.0f} ({t / plain:.2f}x)"
+        return f"{t * 1e3:.0f}" if m == "plain" or ratio != ratio else f"{t * 1e3:.0f} ({ratio:.2f}x)"
 
     def mib(m: str) -> str:
-        return r[m] if isinstance(r[m], str) else f"{r[m][1] / 2**20:.1f}"
+        return r[m] if isinstance(r[m], str) else f"{r[m][2] / 2**20:.1f}"
 
     return [name, f"{micro}x{BATCH // micro}", str(calls), ms("plain"), ms("layerwise"), ms("passes"),
             mib("plain"), mib("layerwise"), mib("passes"), mib("whole batch")]
