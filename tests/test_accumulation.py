@@ -5,6 +5,7 @@ torch, torchvision and timm models, direct F.batch_norm calls and random network
 from __future__ import annotations
 
 import copy
+import re
 import threading
 
 import pytest
@@ -441,6 +442,28 @@ def test_one_value_per_channel_is_refused_like_torch():
     model = accumnorm.convert(mlp())
     with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
         accumnorm.backward(model, data((64,), 1), ce_loss, micro_batch_size=1)
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (1, 3, 1), (1, 3, 2), (2, 3, 1), (3, 3, 1, 1)])
+def test_values_per_channel_counted_over_samples_and_positions_like_torch(schedule, shape):
+    """Batch statistics need more than one value per channel in the whole batch, samples times positions: refused
+    exactly where whole-batch torch refuses, with nothing changed."""
+    model = nn.Sequential(nn.BatchNorm1d(3) if len(shape) < 4 else nn.BatchNorm2d(3)).double()
+    x = torch.randn(shape, dtype=torch.float64)
+    try:
+        copy.deepcopy(model)(x)
+        torch_refuses = False
+    except ValueError:
+        torch_refuses = True
+    snap = snapshot(model)
+    if torch_refuses:
+        with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training, got input size "
+                                             + re.escape(str(tuple(shape)))):
+            accumnorm.backward(model, x, lambda m, xs: m(xs).square().mean(), micro_batch_size=1, schedule=schedule)
+        assert_unchanged(model, snap)
+    else:
+        accumnorm.backward(model, x, lambda m, xs: m(xs).square().mean(), micro_batch_size=1, schedule=schedule)
+        assert model[0].weight.grad is not None
 
 
 def test_auto_falls_back_to_passes_when_layerwise_runs_out_of_memory():
