@@ -11,8 +11,7 @@ and prints the median milliseconds per step, each schedule's ratio to plain (the
 time over plain's in the same round), and the memory each holds: the peak bytes of autograd's saved tensors
 during the step (each storage counted once), which for the layerwise schedule on a CPU is its store (the
 whole batch's saved tensors), and on CUDA the peak of torch.cuda.max_memory_allocated (the store then lives
-in pinned host memory). "BN" is the number of
-training-mode F.batch_norm calls one forward makes (L above).
+in pinned host memory). "BN" is the number of training-mode F.batch_norm calls one forward makes (L above).
 
 The models (benchmarks/_models.py, each with its own batch and loss, all from their configs, no weights):
 the study's VGG-like net and torchvision's resnet18, resnet50, mobilenet_v3_small, efficientnet_b0
