@@ -308,7 +308,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     process, 10 more steps. Parameters, optimizer state, RNG and every logged loss are bit-identical."""
     def run(mode, out):
         env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
-        return subprocess.run([sys.executable, PROGRAM, mode, str(out)], env=env, timeout=120,
+        return subprocess.run([sys.executable, PROGRAM, mode, str(out)], env=env, timeout=600,
                               capture_output=True, text=True)
 
     full, broken = tmp_path / "full", tmp_path / "broken"
