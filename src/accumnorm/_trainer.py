@@ -128,12 +128,14 @@ class Trainer:
         ``log`` is the directory of this run: config.json, metrics.csv (step,name,value), TensorBoard
         events when tensorboard is installed, and checkpoint.pt, saved every ``checkpoint_every`` steps and
         when fit ends; None logs and saves nothing. A fit that an exception ends (KeyboardInterrupt
-        included) saves nothing more than its last ``checkpoint_every`` checkpoint, as Lightning does.
+        included) keeps its last ``checkpoint_every`` checkpoint, as Lightning does: one that came between
+        the optimizer's update and the step count would leave a state no checkpoint should hold.
 
-        A directory that already holds a run is refused with a ValueError before anything runs: a fresh
-        run there would overwrite it. To continue that run, resume it: ``Trainer.load(log, ...)`` (or
-        ``log/checkpoint.pt``) and ``fit(..., log=log)``; the resumed trainer continues with the very next
-        batch of the epoch it stopped in.
+        A directory that already holds a run (config.json, metrics.csv, checkpoint.pt or TensorBoard
+        events) is refused with a ValueError before anything runs: a fresh run there would overwrite it.
+        To continue that run, resume it: ``Trainer.load(log, ...)`` (or ``log/checkpoint.pt``) and
+        ``fit(..., log=log)``; the resumed trainer continues with the very next batch of the epoch it
+        stopped in, and the trainer that wrote a run may fit on in it.
         """
         check_fit_args(steps=steps, epochs=epochs, eval_every=eval_every, log=log, checkpoint_every=checkpoint_every)
         check_log_dir(self, log)
