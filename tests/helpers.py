@@ -169,7 +169,7 @@ def assert_ranks_ended_well(results: Sequence[tuple[int, str]]) -> None:
     assert all(ended_well(rc, log) for rc, log in results), "\n".join(f"rc {rc}: {log[-3000:]}" for rc, log in results)
 
 
-def launch_ranks(argv: Sequence[str], logs: Path, *, world_size: int = 2, wait_s: float = 90,
+def launch_ranks(argv: Sequence[str], logs: Path, *, world_size: int = 2, wait_s: float = 900,
                  wait_for: Sequence[int] | None = None, **env: str) -> list[tuple[int, str]]:
     """Start `world_size` processes `python *argv` with torchrun's environment (RANK, LOCAL_RANK, NODE_RANK,
     WORLD_SIZE, MASTER_ADDR 127.0.0.1, a free MASTER_PORT) plus `env`, logging to logs/rank<r>.log.

@@ -147,7 +147,7 @@ def test_two_cpu_processes_equal_one_process_with_the_global_batch(tmp_path):
     """2 processes x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64, clipped,
     torch's BatchNorm unconverted: the DDP wrapper that prepare makes must not reduce a second time nor wait for its
     own backward."""
-    results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=240)
+    results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=900)
     assert_ranks_ended_well(results)
     assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)
     for rank in range(2):  # the model must be the DDP wrapper that prepare made

@@ -422,7 +422,7 @@ def test_grad_scaler_scales_the_gradient(schedule):
 ])
 def test_failure_part_way_changes_nothing(primed, bn, schedule, fail_at):
     model, batch, snap = primed
-    twin, threads = copy.deepcopy(model), threading.active_count()
+    twin, threads = copy.deepcopy(model), set(threading.enumerate())
     seen = []
     def loss_fn(m, b):
         seen.append(1)
@@ -432,7 +432,7 @@ def test_failure_part_way_changes_nothing(primed, bn, schedule, fail_at):
     with pytest.raises(RuntimeError, match="data pipeline broke"):
         accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn, schedule=schedule)
     assert_unchanged(model, snap)
-    assert threading.active_count() == threads  # no micro-batch's thread is left behind
+    assert not set(threading.enumerate()) - threads  # no micro-batch's thread is left behind (another may end)
     # Nothing of the failed call is left active: the model is torch's again, forward and running stats.
     torch.testing.assert_close(model(batch[0]), twin(batch[0]), rtol=0, atol=0)
     assert all(torch.equal(b, b2) for b, b2 in zip(model.buffers(), twin.buffers()))

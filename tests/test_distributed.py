@@ -20,8 +20,9 @@ PROGRAM = ROOT / "tests" / "programs" / "distributed_ranks.py"
 
 
 # ---------------------------------------------------------------- the tests
-def launch(scenario: str, out: Path, pg_timeout_s: float = 30, wait_s: float = 90, wait_for=(0, 1)):
-    """Start 2 ranks of tests/programs/distributed_ranks.py as torchrun would (see helpers.launch_ranks)."""
+def launch(scenario: str, out: Path, pg_timeout_s: float = 300, wait_s: float = 900, wait_for=(0, 1)):
+    """Start 2 ranks of tests/programs/distributed_ranks.py as torchrun would (see helpers.launch_ranks). The
+    timeouts only guard against a hang: a rank that a loaded machine leaves behind is waited for."""
     return launch_ranks([str(PROGRAM), scenario, str(out)], out, wait_s=wait_s, wait_for=wait_for,
                         PG_TIMEOUT_S=str(pg_timeout_s))
 
@@ -76,9 +77,13 @@ def test_a_batch_too_small_for_the_world_is_a_clear_error(exact_run):
 @pytest.mark.parametrize("failure", ["raise", "stall"])
 def test_a_failing_rank_stops_the_other_with_an_error(tmp_path, failure):
     """Rank 1 raises (its process exits) or stalls (alive, out of the collectives) at step 3: rank 0
-    must end with an error, within the process group's 5 s timeout, instead of hanging."""
+    must end with an error instead of hanging: at once when rank 1's process is gone, within the process group's
+    timeout (5 s, which only the stall is given) when it is alive but gone from the collectives."""
     # a stalled rank 1 never ends by itself: wait for rank 0 alone, then kill it
-    results = launch(failure, tmp_path, pg_timeout_s=5, wait_s=60, wait_for=(0, 1) if failure == "raise" else (0,))
+    if failure == "raise":
+        results = launch(failure, tmp_path)
+    else:
+        results = launch(failure, tmp_path, pg_timeout_s=5, wait_for=(0,))
     rc0, log0 = results[0]
     assert rc0 != 0, log0
     assert not (tmp_path / "finished-0").exists()
@@ -99,7 +104,7 @@ def test_example_runs_under_torchrun_like_one_process(tmp_path):
     losses = {}
     for name, launcher in runs.items():
         out = tmp_path / name
-        proc = subprocess.run(launcher + common + ["--out", str(out)], cwd=ROOT, env=env, timeout=120,
+        proc = subprocess.run(launcher + common + ["--out", str(out)], cwd=ROOT, env=env, timeout=900,
                               capture_output=True, text=True)
         # torchrun reports a rank that gloo aborted at exit (see helpers.GLOO_EXIT_ABORT) as a failure of its own
         aborted_at_exit = GLOO_EXIT_ABORT in proc.stderr and "exitcode: -6" in proc.stderr

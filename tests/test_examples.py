@@ -43,7 +43,7 @@ def test_example_prints_its_final_metric(run, tmp_path):
         torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "resnet18.pth")
     args = [a.format(tmp=tmp_path) for a in args]
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *TINY, *args], cwd=tmp_path,
-                          env=cpu_env(), capture_output=True, text=True, timeout=300)
+                          env=cpu_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     found = re.search(r"final val_acc (\d\.\d+) on 64 digits", proc.stdout)
     assert found and 0 <= float(found.group(1)) <= 1, proc.stdout[-2000:]
@@ -57,7 +57,7 @@ def test_yolov8n_example_takes_the_whole_batch_gradient_and_prints_its_loss(tmp_
     to float32 rounding), plain accumulation's is not."""
     args = ["--steps", "2", "--batch-size", "4", "--micro-batch-size", "2", "--imgsz", "64"]
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "yolov8n_detection.py"), *args], cwd=tmp_path,
-                          env=cpu_env(YOLO_OFFLINE="1"), capture_output=True, text=True, timeout=300)
+                          env=cpu_env(YOLO_OFFLINE="1"), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     check = re.search(r"accumnorm (\S+), plain accumulation (\S+)", proc.stdout)
     assert check and float(check.group(1)) < 1e-3 < 1e-2 < float(check.group(2)), proc.stdout[-2000:]

@@ -150,6 +150,6 @@ def test_two_gloo_ranks_under_ddp_equal_one_process_with_the_global_batch(tmp_pa
     """2 ranks x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64, clipped, torch's
     BatchNorm unconverted and the passes schedule: DDP's own gradient reduction must not add to accumnorm's (a
     second average halves the gradient) nor wait for a backward that never comes (a hang, bounded here by timeouts)."""
-    results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=240)
+    results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=900)
     assert_ranks_ended_well(results)
     assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)

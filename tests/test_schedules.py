@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 import warnings
 
 import pytest
@@ -393,11 +392,10 @@ def test_forward_failure_between_batchnorm_calls_neither_hangs_nor_changes_anyth
 
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
-    worker.join(timeout=60)
+    worker.join(timeout=600)
     assert not worker.is_alive(), "accumnorm.backward hangs after a micro-batch's forward failed"
     assert len(errors) == 1 and "bad sample" in str(errors[0]), errors
     assert_unchanged(model, snap)
-    deadline = time.monotonic() + 5
-    while set(threading.enumerate()) - threads - {worker} and time.monotonic() < deadline:
-        time.sleep(0.05)
+    for thread in set(threading.enumerate()) - threads - {worker}:
+        thread.join(timeout=600)  # only a guard against a hang: a thread that is ending ends, however slow the machine
     assert not set(threading.enumerate()) - threads - {worker}, "worker threads left running"

@@ -6,6 +6,7 @@ The killed and resumed runs are tests/programs/trainer_resume.py, each in a fres
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,6 +109,94 @@ def test_fit_gives_a_distributed_sampler_each_epoch_number():
         sampler.set_epoch(epoch)
         want += list(sampler)
     assert seen == want and want[:12] != want[12:]
+
+
+def _sgd_trainer(**kwargs):
+    model = accumnorm.convert(small_net())
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=4, **kwargs)
+
+
+def _load(path):
+    model = accumnorm.convert(small_net())
+    return Trainer.load(path, model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss)
+
+
+@pytest.mark.parametrize("checkpoint_every", [3, None])
+def test_fit_saves_a_checkpoint_when_it_ends(tmp_path, checkpoint_every):
+    """The last checkpoint of steps=10, checkpoint_every=3 was step 9's, and checkpoint_every=None saved none."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(24), batch_size=8)
+    trainer = _sgd_trainer()
+    trainer.fit(loader, steps=10, log=tmp_path, checkpoint_every=checkpoint_every)
+    resumed = _load(tmp_path)  # the run's directory: its checkpoint.pt
+    assert (resumed.step_count, resumed.epoch, resumed.batch_in_epoch) == (10, 3, 1)
+    assert all(torch.equal(v, resumed.model.state_dict()[k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_fit_stopped_by_an_interrupt_keeps_its_last_periodic_checkpoint(tmp_path):
+    """An interrupt may come between the optimizer's update and the step count: no checkpoint is taken then."""
+    def interrupted_at_step_4(model):
+        if trainer.step_count == 4:
+            raise KeyboardInterrupt
+        return 0.0
+
+    trainer = _sgd_trainer()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(torch.utils.data.DataLoader(NoisyDigits(24), batch_size=8), steps=10, eval_fn=interrupted_at_step_4,
+                    eval_every=1, log=tmp_path, checkpoint_every=3)
+    assert _load(tmp_path / "checkpoint.pt").step_count == 3
+
+
+def test_the_effective_batch_is_the_loaders_not_the_first_after_a_resume(tmp_path, capsys):
+    """Resumed before an epoch's short last batch (8, 8, 4), the header and config.json said "effective batch 4"."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(20), batch_size=8)
+    _sgd_trainer().fit(loader, steps=2, log=tmp_path)
+    capsys.readouterr()
+    trainer = _load(tmp_path)
+    trainer.fit(loader, steps=3, log=tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["effective_batch_size"], config["accumulation_steps"], config["start_step"]) == (8, 2, 2)
+    assert "effective batch 8 = micro-batch 4 x 2 accumulation steps" in capsys.readouterr().out
+
+
+def test_a_loader_that_does_not_say_its_batch_size_reports_the_largest_batch_seen(tmp_path):
+    batches = [(torch.randn(n, 1, 8, 8), torch.randint(0, 3, (n,))) for n in (4, 12, 8)]
+    _sgd_trainer().fit(batches, steps=3, log=tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["effective_batch_size"], config["accumulation_steps"]) == (12, 3)
+
+
+def test_a_fresh_run_into_the_log_of_another_is_refused_and_its_resume_is_not(tmp_path):
+    """A second run into runs/accumnorm rewrote metrics.csv from its own step 1 and added TensorBoard files."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8)
+    _sgd_trainer().fit(loader, steps=2, log=tmp_path)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    fresh = _sgd_trainer()
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    found = ", ".join(sorted(files))
+    with pytest.raises(ValueError, match=rf"log '{re.escape(str(tmp_path))}' already holds a run "
+                                         rf"\({re.escape(found)}\), which this fresh run would overwrite: pass "
+                                         r"another log=, resume"):
+        fresh.fit(loader, steps=2, log=tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files and fresh.step_count == 0
+    assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())
+    resumed = _load(tmp_path / "checkpoint.pt")
+    resumed.fit(loader, steps=4, log=tmp_path)
+    resumed.fit(loader, steps=5, log=tmp_path)  # the trainer that wrote a run carries on in it
+    assert [int(r["step"]) for r in read_metrics(tmp_path) if r["name"] == "loss"] == [1, 2, 3, 4, 5]
+    other = tmp_path / "other"
+    _sgd_trainer().fit(loader, steps=1, log=other)  # a directory of other files than a run's is no run
+    assert (other / "checkpoint.pt").exists()
+
+
+def test_evaluations_show_in_the_progress_bar_and_in_a_line_each(tmp_path, capsys):
+    trainer = _sgd_trainer()
+    scores = iter([0.25, 0.5, 0.75])
+    trainer.fit(torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8), steps=5,
+                eval_fn=lambda m: {"acc": next(scores)}, eval_every=2, log=None)
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("step ")] == [
+        "step 2: acc 0.25", "step 4: acc 0.5", "step 5: acc 0.75"]
+    assert "acc=0.25" in err and "acc=0.75" in err.split("\r")[-1]  # the bar's postfix, up to its last refresh
 
 
 def test_bad_arguments_are_clear_errors(tmp_path):
@@ -219,7 +308,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     process, 10 more steps. Parameters, optimizer state, RNG and every logged loss are bit-identical."""
     def run(mode, out):
         env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
-        return subprocess.run([sys.executable, PROGRAM, mode, str(out)], env=env, timeout=120,
+        return subprocess.run([sys.executable, PROGRAM, mode, str(out)], env=env, timeout=600,
                               capture_output=True, text=True)
 
     full, broken = tmp_path / "full", tmp_path / "broken"

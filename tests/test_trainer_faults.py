@@ -196,14 +196,15 @@ def test_a_damaged_metrics_row_is_named_skipped_and_written_out(tmp_path, damage
 
 
 def test_fit_is_the_same_loop_after_the_split_into_helpers(tmp_path):
-    """Evaluation at eval_every and at the end, checkpoints at checkpoint_every, one row per metric and step."""
+    """Evaluation at eval_every and at the end, checkpoints at checkpoint_every and at the end, one row per metric
+    and step."""
     trainer = _trainer()
     evals = []
     last = trainer.fit(torch.utils.data.DataLoader(NoisyDigits(24), batch_size=8), steps=5,
                        eval_fn=lambda m: evals.append(m.training) or {"acc": 0.25}, eval_every=2, log=tmp_path,
                        checkpoint_every=2)
     assert evals == [False] * 3 and last["acc"] == 0.25 and set(last) >= {"loss", "lr", "samples_per_s"}
-    assert Trainer.load(tmp_path / "checkpoint.pt", trainer.model, trainer.optimizer, ce_loss).step_count == 4
+    assert Trainer.load(tmp_path / "checkpoint.pt", trainer.model, trainer.optimizer, ce_loss).step_count == 5
     assert (trainer.epoch, trainer.batch_in_epoch) == (1, 2)
 
 

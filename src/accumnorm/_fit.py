@@ -1,9 +1,13 @@
 """The pieces of `Trainer.fit`: its argument checks, its logs, and the bookkeeping around each step
-(throughput, progress, evaluation, checkpoints), so that `fit` itself reads as the loop it is.
+(throughput, progress, evaluation, checkpoints), so that `fit` itself reads as the loop it is. The
+Trainer imports this module, never the other way: the loop sees the trainer through its attributes.
 
-metrics.csv is rewritten atomically when `fit` starts, keeping the rows up to the starting step (a run
-killed after its last checkpoint logged past it); rows that cannot be read (a line cut short by a
-kill, garbage) are skipped with a warning naming the file and the lines, and are not written back.
+A log directory holds one run. A fresh run into a directory that holds a run's files is refused (it
+would overwrite them); only the trainer that continues that run, loaded from its checkpoint, writes
+there again. metrics.csv is then rewritten atomically when `fit` starts, keeping the rows up to the
+starting step (a run killed after its last checkpoint logged past it); rows that cannot be read (a line
+cut short by a kill, garbage) are skipped with a warning naming the file and the lines, and are not
+written back.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,13 +26,10 @@ import torch.distributed as dist
 from . import _dist
 from ._files import atomic_write, csv_text, read_csv
 
-if TYPE_CHECKING:
-    from ._trainer import Trainer
-
-
-__all__ = ["check_fit_args", "FitLoop", "MetricLog"]
+__all__ = ["check_fit_args", "check_log_dir", "FitLoop", "MetricLog"]
 
 METRIC_FIELDS = ("step", "name", "value")
+RUN_FILES = ("config.json", "metrics.csv", "checkpoint.pt")  # and TensorBoard's events.out.tfevents.*
 
 
 def check_fit_args(*, steps: Any, epochs: Any, eval_every: Any, log: Any, checkpoint_every: Any) -> None:
@@ -46,6 +47,42 @@ def check_fit_args(*, steps: Any, epochs: Any, eval_every: Any, log: Any, checkp
     _tqdm()
 
 
+def run_files(directory: Path) -> list[str]:
+    """The files of a run that `directory` holds (none when it does not exist)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if p.name in RUN_FILES or p.name.startswith("events.out."))
+
+
+def check_log_dir(trainer: Any, log: str | os.PathLike | None) -> None:
+    """Refuse a fresh run into a directory that holds a run: only the trainer that continues it (`run_dir`, the
+    directory of the checkpoint it was loaded from or of its last fit) writes there. Rank 0 decides for all."""
+    problem = None
+    if log is not None and trainer.rank == 0:
+        found = run_files(Path(log))
+        continues = trainer.run_dir is not None and Path(trainer.run_dir).resolve() == Path(log).resolve()
+        if found and not continues:
+            problem = (f"log {str(log)!r} already holds a run ({', '.join(found)}), which this fresh run would "
+                       f"overwrite: pass another log=, resume that run with Trainer.load({str(log)!r}, model, "
+                       "optimizer, loss_fn), or delete it")
+    problem = _dist.all_gather_object(problem, trainer.process_group)[0]
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def loader_batch_size(loader: Iterable) -> int | None:
+    """The batch size a DataLoader was built with (its batch_sampler's), at most its sampler's length; None for
+    a loader that does not say."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(batch_sampler, "batch_size", None)
+    if isinstance(size, bool) or not isinstance(size, int):
+        return None
+    try:
+        return min(size, len(batch_sampler.sampler))
+    except (TypeError, AttributeError):  # an iterable dataset's sampler has no length
+        return size
+
+
 def _tqdm() -> Any:
     """tqdm's progress bar, imported when a fit starts rather than with accumnorm: it is an extra."""
     try:
@@ -57,9 +94,9 @@ def _tqdm() -> Any:
 
 class FitLoop:
     """One call of `Trainer.fit`: when to stop, and what happens around each step. A context manager that
-    closes the progress bar and the logs."""
+    closes the progress bar and the logs. `trainer` is the Trainer that runs the steps."""
 
-    def __init__(self, trainer: Trainer, loader: Iterable, *, steps: int | None, epochs: int | None,
+    def __init__(self, trainer: Any, loader: Iterable, *, steps: int | None, epochs: int | None,
                  eval_fn: Callable | None, eval_every: int | None, log: str | os.PathLike | None,
                  checkpoint_every: int | None):
         self.trainer, self.loader, self.steps, self.epochs = trainer, loader, steps, epochs
@@ -70,8 +107,10 @@ class FitLoop:
         self.bar = _tqdm()(total=total, initial=trainer.step_count, unit="step", disable=trainer.rank != 0,
                         dynamic_ncols=True)
         self.last: dict[str, float] = {}  # the last logged metrics, which fit returns
-        self.started = False
+        self.postfix: dict[str, str] = {}  # the progress bar's: the last step's loss and speed, the last evaluation
+        self.config: dict[str, Any] | None = None  # written at the first step
         self.evaluated = True  # no step trained since the last evaluation
+        self.saved_step: int | None = None  # the step of the checkpoint this fit saved last
         self.tick = time.perf_counter()
 
     def __enter__(self) -> FitLoop:
@@ -88,7 +127,7 @@ class FitLoop:
 
     def train(self, batch: Any) -> None:
         """One optimizer step on `batch`, then its metrics, progress, evaluation and checkpoint."""
-        if not self.started:
+        if self.config is None:
             self._start(batch)
         t = self.trainer
         lr = t.optimizer.param_groups[0]["lr"]
@@ -99,55 +138,79 @@ class FitLoop:
         if self.eval_fn is not None and self.evaluated:
             self._evaluate()
         if self.checkpoint_every is not None and t.step_count % self.checkpoint_every == 0:
-            t.save(self.log / "checkpoint.pt")
+            self._save()
         self.tick = time.perf_counter()  # after evaluation and saving, which are not throughput
 
     def finish(self) -> None:
-        """The evaluation at the end, unless the last step had one."""
+        """The evaluation and the checkpoint at the end, unless the last step had them. Not called when an
+        exception (KeyboardInterrupt too) ends the loop: one that came between the parts of a step (the optimizer's
+        update, the scheduler's, the counts) would leave a state no checkpoint should hold."""
         if not self.evaluated:
             self._evaluate()
+        if self.log is not None and self.config is not None and self.saved_step != self.trainer.step_count:
+            self._save()
 
     def _start(self, batch: Any) -> None:
-        config = describe(self.trainer, batch, self.loader, steps=self.steps, epochs=self.epochs,
-                          eval_every=self.eval_every, checkpoint_every=self.checkpoint_every)
-        self.metrics.start(config)
-        self.started = True
+        self.config = describe(self.trainer, batch, self.loader, steps=self.steps, epochs=self.epochs,
+                               eval_every=self.eval_every, checkpoint_every=self.checkpoint_every)
+        self.metrics.start(self.config)
         self.tick = time.perf_counter()  # opening the logs (TensorBoard's import) is not throughput
+
+    def _save(self) -> None:
+        t = self.trainer
+        t.save(self.log / "checkpoint.pt")
+        self.saved_step = t.step_count
 
     def _record(self, batch: Any, loss: float, lr: float) -> None:
         t = self.trainer
+        n = _dist.num_samples(batch)
+        if n > self.config["batch_per_rank"]:  # a loader that does not say its batch size: the largest seen
+            self.config.update(sizes(t, n))
+            self.metrics.write_config(self.config)
         # loading and training time; every rank is assumed to hold as many samples as this one
-        samples_per_s = _dist.num_samples(batch) * t.world_size / (time.perf_counter() - self.tick)
+        samples_per_s = n * t.world_size / (time.perf_counter() - self.tick)
         self.last = {"loss": loss, "lr": lr, "samples_per_s": samples_per_s}
         if t.max_grad_norm is not None:
             self.last["grad_norm"] = t.grad_norm
         if t.scaler is not None:
             self.last["loss_scale"] = t.scaler.get_scale()
         self.metrics.log(t.step_count, self.last)
-        self.bar.set_postfix(loss=f"{loss:.4g}", samples_s=f"{samples_per_s:.0f}", refresh=False)
+        self.postfix.update(loss=f"{loss:.4g}", samples_s=f"{samples_per_s:.0f}")
+        self.bar.set_postfix(self.postfix, refresh=False)
         self.bar.update(1)
 
     def _evaluate(self) -> None:
-        model = self.trainer.model
-        model.eval()
+        t = self.trainer
+        t.model.eval()
         with torch.no_grad():
-            result = self.eval_fn(model)
-        model.train()
+            result = self.eval_fn(t.model)
+        t.model.train()
         result = result if isinstance(result, dict) else {"eval": result}
         result = {name: float(value) for name, value in result.items()}
-        self.metrics.log(self.trainer.step_count, result)
+        self.metrics.log(t.step_count, result)
         self.last.update(result)
+        self.postfix.update((name, f"{value:.4g}") for name, value in result.items())
+        self.bar.set_postfix(self.postfix)
+        if t.rank == 0:
+            _tqdm().write(f"step {t.step_count}: " + ", ".join(f"{name} {value:.4g}" for name, value in result.items()))
 
 
-def describe(trainer: Trainer, batch: Any, loader: Iterable, **fit_args: Any) -> dict[str, Any]:
-    """The run's configuration and derived sizes, printed at start and saved as config.json."""
+def sizes(trainer: Any, per_rank: int) -> dict[str, int]:
+    """What one optimizer step sees (nanoGPT-style, so runs with different splits compare) for batches of
+    `per_rank` samples on each rank."""
     t = trainer
-    per_rank = _dist.num_samples(batch)
-    accum = math.ceil(per_rank / t.micro_batch_size)
+    return {"accumulation_steps": math.ceil(per_rank / t.micro_batch_size),
+            "effective_batch_size": per_rank * t.world_size, "batch_per_rank": per_rank}
+
+
+def describe(trainer: Any, batch: Any, loader: Iterable, **fit_args: Any) -> dict[str, Any]:
+    """The run's configuration and derived sizes, printed at start and saved as config.json. The batch size is
+    the loader's (a DataLoader's), not the first batch's, which may be an epoch's short last one; for a loader that
+    does not say, the first batch's, raised as larger ones come."""
+    t = trainer
+    per_rank = loader_batch_size(loader) or _dist.num_samples(batch)
     config = {
-        "micro_batch_size": t.micro_batch_size, "accumulation_steps": accum, "world_size": t.world_size,
-        # nanoGPT-style: what one optimizer step sees, so runs with different splits can be compared
-        "effective_batch_size": per_rank * t.world_size, "batch_per_rank": per_rank,
+        "micro_batch_size": t.micro_batch_size, **sizes(t, per_rank), "world_size": t.world_size,
         "bn": t.bn, "amp": t.amp, "max_grad_norm": t.max_grad_norm,
         "backend": dist.get_backend(t.process_group) if t.process_group is not None else None,
         "device": str(t.device), "start_step": t.step_count, **fit_args,
@@ -162,8 +225,9 @@ def describe(trainer: Trainer, batch: Any, loader: Iterable, **fit_args: Any) ->
     if t.rank == 0:
         short = " (the last micro-batch is short)" if per_rank % t.micro_batch_size else ""
         _tqdm().write(f"effective batch {config['effective_batch_size']} = micro-batch {t.micro_batch_size} x "
-                   f"{accum} accumulation steps x {t.world_size} ranks{short}; bn={t.bn}, amp={t.amp}, "
-                   f"device {t.device}, {config['parameters']:,} parameters, starting at step {t.step_count}")
+                   f"{config['accumulation_steps']} accumulation steps x {t.world_size} ranks{short}; bn={t.bn}, "
+                   f"amp={t.amp}, device {t.device}, {config['parameters']:,} parameters, starting at step "
+                   f"{t.step_count}")
     return config
 
 
@@ -180,7 +244,7 @@ class MetricLog:
         if self.directory is None:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.directory / "config.json", json.dumps(config, indent=2, default=str) + "\n")
+        self.write_config(config)
         path = self.directory / "metrics.csv"
         rows = []
         if path.exists():
@@ -195,6 +259,10 @@ class MetricLog:
         except ImportError:  # TensorBoard is optional; the CSV has everything
             return
         self.writer = SummaryWriter(self.directory, purge_step=self.start_step + 1)
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        if self.directory is not None:
+            atomic_write(self.directory / "config.json", json.dumps(config, indent=2, default=str) + "\n")
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if self.csv is None:

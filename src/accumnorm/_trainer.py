@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -27,7 +28,7 @@ from ._engine.args import BNMode, Schedule, check_args
 from ._engine.backward import backward
 from ._engine.store import resolve_store
 from ._files import atomic_open
-from ._fit import FitLoop, check_fit_args
+from ._fit import FitLoop, check_fit_args, check_log_dir
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,6 +80,7 @@ class Trainer:
         self.batch_in_epoch = 0  # batches of the current epoch already trained on
         self._epoch_rng: dict | None = None  # RNG states when the current epoch's iterator was made
         self.grad_norm: float | None = None  # total gradient norm before clipping, with max_grad_norm
+        self.run_dir: Path | None = None  # the log directory of the run this trainer continues (see fit)
         if self.world_size > 1:
             _dist.broadcast_module(model, process_group)  # every rank starts from rank 0's weights
 
@@ -118,13 +120,27 @@ class Trainer:
         """Train until ``step_count`` reaches ``steps`` or ``epoch`` reaches ``epochs`` (both count
         across resumes); returns the last logged metrics.
 
-        ``loader`` yields this rank's batches and is iterated once per epoch. ``eval_fn(model)`` runs
-        under ``torch.no_grad()`` in eval mode every ``eval_every`` steps and once at the end.
-        ``log`` is a directory for config.json, metrics.csv (step,name,value), TensorBoard events when
-        tensorboard is installed, and checkpoint.pt every ``checkpoint_every`` steps; None logs nothing.
-        A resumed trainer continues with the very next batch of the epoch it stopped in.
+        ``loader`` yields this rank's batches and is iterated once per epoch; the effective batch it
+        reports is the loader's batch size (a DataLoader's), else the largest batch seen. ``eval_fn(model)``
+        runs under ``torch.no_grad()`` in eval mode every ``eval_every`` steps and once at the end; its
+        results show in the progress bar and in one line each time.
+
+        ``log`` is the directory of this run: config.json, metrics.csv (step,name,value), TensorBoard
+        events when tensorboard is installed, and checkpoint.pt, saved every ``checkpoint_every`` steps and
+        when fit ends; None logs and saves nothing. A fit that an exception ends (KeyboardInterrupt
+        included) keeps its last ``checkpoint_every`` checkpoint, as Lightning does: one that came between
+        the optimizer's update and the step count would leave a state no checkpoint should hold.
+
+        A directory that already holds a run (config.json, metrics.csv, checkpoint.pt or TensorBoard
+        events) is refused with a ValueError before anything runs: a fresh run there would overwrite it.
+        To continue that run, resume it: ``Trainer.load(log, ...)`` (or ``log/checkpoint.pt``) and
+        ``fit(..., log=log)``; the resumed trainer continues with the very next batch of the epoch it
+        stopped in, and the trainer that wrote a run may fit on in it.
         """
         check_fit_args(steps=steps, epochs=epochs, eval_every=eval_every, log=log, checkpoint_every=checkpoint_every)
+        check_log_dir(self, log)
+        if log is not None:
+            self.run_dir = Path(log)
         self.model.train()
         with FitLoop(self, loader, steps=steps, epochs=epochs, eval_fn=eval_fn, eval_every=eval_every, log=log,
                      checkpoint_every=checkpoint_every) as loop:
@@ -209,18 +225,21 @@ class Trainer:
     @classmethod
     def load(cls, path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              loss_fn: Callable, **kwargs: Any) -> Trainer:
-        """A trainer resumed from ``save(path)``: micro_batch_size, bn, max_grad_norm and amp default to
-        the checkpoint's; pass scheduler= and process_group= as when it was made.
+        """A trainer resumed from ``save(path)``, or from the checkpoint.pt of a run's log directory ``path``:
+        micro_batch_size, bn, max_grad_norm and amp default to the checkpoint's; pass scheduler= and
+        process_group= as when it was made. Its ``fit`` may log into the checkpoint's directory again.
 
         Refuses, before the model or optimizer changes, with a ValueError naming the file: a file that is
         truncated or corrupt, one that is not an accumnorm checkpoint, and a checkpoint of another model
         (state_dict keys, shapes), optimizer (class, param groups), scheduler or world size. No file: a
         FileNotFoundError.
         """
+        path = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
         state = read_checkpoint(path)
         trainer = cls(model, optimizer, loss_fn, **{**state["config"], **kwargs})
         try:
             trainer.load_state_dict(state)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
+        trainer.run_dir = path.parent
         return trainer

@@ -22,7 +22,7 @@ from models import tiny_bn, tiny_dataset
 def main(out: Path, clip: float) -> None:
     # split_batches: the loader's batches are global ones, cut in contiguous parts (and the scheduler steps once)
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True),
-                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=30))])
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=300))])
     net = tiny_bn()
     optimizer, scheduler = sgd_halving(net.parameters())
     loader = torch.utils.data.DataLoader(tiny_dataset(24), batch_size=8)

@@ -31,7 +31,7 @@ class Batches(pl.Callback):
 def main(out: Path, clip: float) -> None:
     loader = torch.utils.data.DataLoader(tiny_dataset(24), batch_size=4)
     model = lit_classifier()(tiny_bn(), micro_batch_size=3, schedule="passes")
-    strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=30))  # a lost rank fails, not hangs
+    strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=300))  # a lost rank fails, not hangs
     run = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=3,
                      gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, callbacks=[batches := Batches()])

@@ -1,7 +1,11 @@
 """Real SIGINTs at random moments of accumnorm.backward steps: after each, the model is either as it was (the step
 was interrupted and rolled back) or as the uninterrupted step leaves it, and nothing of the step is alive.
 
-    python tests/programs/sigint_steps.py --tries 40     # prints one line per path, exits 1 on any violation
+    python tests/programs/sigint_steps.py --mid-step 10   # prints one line per path, exits 1 on any violation
+
+Each path is interrupted until `--mid-step` signals have landed inside a step, however slow the machine: each moment
+is drawn over the time the last whole step took, and `--max-tries` only guards against an interrupt that never
+lands inside a step.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ def live_coroutines() -> int:
                for o in gc.get_objects())
 
 
-def run_path(name: str, kwargs: dict, tries: int, rng: random.Random) -> list[str]:
+def run_path(name: str, kwargs: dict, mid_step: int, max_tries: int, rng: random.Random) -> list[str]:
     torch.manual_seed(0)
     model, batch = Net(), (torch.randn(12, 1, 8, 8), torch.randint(0, 10, (12,)))
     accumnorm.backward(model, batch, loss_fn, micro_batch_size=3, **kwargs)  # gradients and statistics to keep
@@ -73,14 +77,17 @@ def run_path(name: str, kwargs: dict, tries: int, rng: random.Random) -> list[st
     step_s = time.perf_counter() - start
     torch.random.set_rng_state(rng_before)
     after, rng_after = state(done), None
-    problems, interrupted, rolled_back = [], 0, 0
-    for i in range(tries):
+    problems, tries, interrupted, rolled_back = [], 0, 0, 0
+    while rolled_back < mid_step and tries < max_tries:
+        i, tries = tries, tries + 1
         torch.random.set_rng_state(rng_before)
         fire = threading.Timer(rng.uniform(0, 1.2 * step_s), lambda: os.kill(os.getpid(), signal.SIGINT))
         try:
             try:
                 fire.start()
+                start = time.perf_counter()
                 accumnorm.backward(model, batch, loss_fn, micro_batch_size=3, **kwargs)
+                step_s = time.perf_counter() - start  # a whole step: the next moment is drawn over its time
             finally:
                 fire.join()
                 time.sleep(0.002)  # a signal sent just now is delivered here, if not before
@@ -110,6 +117,8 @@ def run_path(name: str, kwargs: dict, tries: int, rng: random.Random) -> list[st
         with torch.no_grad():
             for t, saved in zip((*(p.grad for p in model.parameters()), *model.buffers()), before):
                 t.copy_(saved)
+    if rolled_back < mid_step:
+        problems.append(f"{name}: only {rolled_back} of {tries} interrupts landed inside a step, {mid_step} wanted")
     print(f"{name}: {tries} tries, {interrupted} interrupted ({rolled_back} during the step, rolled back), "
           f"{len(problems)} problems", flush=True)
     return problems
@@ -117,12 +126,15 @@ def run_path(name: str, kwargs: dict, tries: int, rng: random.Random) -> list[st
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--tries", type=int, default=40)
+    p.add_argument("--mid-step", type=int, default=10, help="interrupts that must land inside a step, per path")
+    p.add_argument("--max-tries", type=int, default=1000, help="per path: the guard against an interrupt that never "
+                   "lands inside a step")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
     rng = random.Random(args.seed)
-    problems = [msg for name, kwargs in PATHS.items() for msg in run_path(name, kwargs, args.tries, rng)]
+    problems = [msg for name, kwargs in PATHS.items()
+                for msg in run_path(name, kwargs, args.mid_step, args.max_tries, rng)]
     for msg in problems[:20]:
         print(msg)
     return 1 if problems else 0

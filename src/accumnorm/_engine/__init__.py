@@ -2,6 +2,7 @@
 
 - `backward`: the public function: arguments, schedule, the step as a transaction.
 - `args`: argument checks; the batch cut into micro-batches.
+- `lazy_eps`: a warning, once per layer, for a norm whose eps is 1 or more (`nn.LazyBatchNorm2d(32)`).
 - `transaction`: gradients and buffers set aside, merged on success, restored on any error.
 - `rng`: each micro-batch's random stream; the caller's generators one draw on.
 - `step`: one call's micro-batches and the round protocol: `Step.meet` checks that the K micro-batches are

@@ -26,6 +26,7 @@ from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
 from .forwards import step_forwards
 from .guards import check_every_call_seen, has_norm_statistics, refuse_unseen_batch_norms
 from .interrupts import SigintDeferred
+from .lazy_eps import warn_large_eps
 from .lockstep import layerwise
 from .objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
 from .passes import passes
@@ -143,6 +144,7 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
     # Copies only, until the try: an interrupt before it changes nothing.
     caller = ThreadState.capture()
     transaction = Transaction(model)
+    warn_large_eps(model, transaction.modules)
     rng = StepRng(len(micro_batches), transaction.cuda_devices())
     interrupts = SigintDeferred()
     try:

@@ -6,7 +6,9 @@ builds the layer. Both read the one registry below; an unknown name lists the va
 `convert(model)` swaps torch's BatchNorm layers for accumnorm's in place, as
 `torch.nn.SyncBatchNorm.convert_sync_batchnorm` does: same Parameter and buffer objects (an optimizer
 built before still works), same child modules, same train/eval flag, and, unlike it, the layer's hooks
-and the attributes set on it. `revert(model)` goes back.
+and the attributes set on it. torch's lazy BatchNorm still lazy becomes accumnorm's lazy layer (its
+shape comes from the first input, as before). `revert(model)` goes back; torch's BatchNorm classes
+have no lazy state, so a layer still lazy is refused.
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from typing import Any
 import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import _WrappedHook
+from torch.nn.parameter import is_lazy
 
 from ._alternatives import BatchRenorm2d, StaleBatchNorm2d
 from ._batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
+from ._lazy import _UninitializedBuffer
 from ._norms import GroupNorm, InstanceNorm1d, InstanceNorm2d, InstanceNorm3d, LayerNorm
 from ._per_sample import EvoNorm2dS0, FilterResponseNorm2d
 
@@ -86,24 +90,44 @@ _TO_ACCUM: dict[type, type] = {
     nn.SyncBatchNorm: BatchNorm,
 }
 _TO_TORCH: dict[type, type] = {accum: torch_cls for torch_cls, accum in _TO_ACCUM.items()}
+# After its first forward torch's lazy layer is a plain BatchNorm1d/2d/3d; before it, one of these.
+_TORCH_LAZY: dict[type, type] = {
+    nn.LazyBatchNorm1d: BatchNorm1d,
+    nn.LazyBatchNorm2d: BatchNorm2d,
+    nn.LazyBatchNorm3d: BatchNorm3d,
+}
 
 
 def _mappings() -> tuple[dict[type, type], dict[type, type]]:
     """(to accumnorm, back) for torch's layers, and for timm's where timm is in use (already imported)."""
     if sys.modules.get("timm") is None:  # a model can hold timm's layers only once timm is imported: stay optional
-        return _TO_ACCUM, _TO_TORCH
+        return {**_TO_ACCUM, **_TORCH_LAZY}, _TO_TORCH
     from ..integrations import timm as timm_layers
 
-    return {**timm_layers._TO_ACCUM, **_TO_ACCUM}, {**timm_layers._TO_TIMM, **_TO_TORCH}
+    return {**timm_layers._TO_ACCUM, **_TO_ACCUM, **_TORCH_LAZY}, {**timm_layers._TO_TIMM, **_TO_TORCH}
 
 
 def _swap(module: nn.Module, mapping: dict[type, type]) -> nn.Module:
     """Check every module to swap, then rebuild each around the same tensors and children, in place."""
     for name, m in module.named_modules():
-        if type(m) in mapping and isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():
-            raise ValueError(f"cannot convert {name or 'the model'} ({m._get_name()}) before its lazy shape is known; "
-                             "run one forward first")
+        cls = mapping.get(type(m))
+        if cls is not None and _is_lazy(m) and not issubclass(cls, LazyModuleMixin):
+            raise ValueError(f"cannot convert {name or 'the model'} ({m._get_name()}) before its lazy shape is known: "
+                             f"{cls.__name__} is never lazy; run one forward first")
     return _rebuild(module, mapping, {})
+
+
+def _is_lazy(m: nn.Module) -> bool:
+    return isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()
+
+
+def _num_features(m: nn.Module) -> int | None:
+    """The layer's channel count; None while it is lazy. torch's lazy layer says 0 until its first forward, also
+    after a state_dict gave it its tensors."""
+    if _is_lazy(m):
+        return None
+    tensors = [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None and t.dim() == 1]
+    return m.num_features or (tensors[0].shape[0] if tensors else None)
 
 
 def _rebuild(module: nn.Module, mapping: dict[type, type], memo: dict[int, nn.Module]) -> nn.Module:
@@ -112,14 +136,31 @@ def _rebuild(module: nn.Module, mapping: dict[type, type], memo: dict[int, nn.Mo
     out = module
     cls = mapping.get(type(module))
     if cls is not None:
-        out = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        features = _num_features(module)
+        out = cls(features, module.eps, module.momentum, module.affine, module.track_running_stats)
         _carry_over(module, out)
+        if type(module) in _TORCH_LAZY:
+            _from_torch_lazy(out, features)
     memo[id(module)] = out
     # Every slot, not named_children(), which skips a module's second slot; also carries timm's act and drop over.
     for name, child in list(module._modules.items()):
         if child is not None:
             out.add_module(name, _rebuild(child, mapping, memo))
     return out
+
+
+def _from_torch_lazy(out: nn.Module, features: int | None) -> None:
+    """What `_carry_over` took from torch's lazy layer that accumnorm's holds its own way: the channel count (None
+    while lazy, not torch's 0), buffers still uninitialized (accumnorm's deep-copy), and the lazy hooks of a layer
+    whose shape is known (while it is lazy, torch's hooks, rebound to the new layer, run its lazy code)."""
+    out.num_features = features
+    for name, buffer in out._buffers.items():
+        if is_lazy(buffer):
+            out._buffers[name] = _UninitializedBuffer(device=buffer.device, dtype=buffer.dtype)
+    if features is not None:
+        out._initialize_hook.remove()
+        out._load_hook.remove()
+        del out._initialize_hook, out._load_hook
 
 
 def _carry_over(old: nn.Module, new: nn.Module) -> None:
@@ -141,13 +182,18 @@ def _rebound(value: Any, old: nn.Module, new: nn.Module) -> Any:
     """`value`, pointing at `new` where it pointed at `old`: a method bound to it, a hook given the module."""
     if inspect.ismethod(value) and value.__self__ is old:
         return MethodType(value.__func__, new)
-    if isinstance(value, _WrappedHook) and value.with_module and value.module() is old:
-        value.module = weakref.ref(new)  # register_load_state_dict_pre_hook's hooks hold their module weakly
+    if isinstance(value, _WrappedHook):  # register_load_state_dict_pre_hook's: their module held weakly, or bound
+        if value.with_module and value.module() is old:
+            value.module = weakref.ref(new)
+        value.hook = _rebound(value.hook, old, new)  # a lazy layer's own _lazy_load_hook
     return value
 
 
 def convert(module: nn.Module, types: type | Iterable[type] = ()) -> nn.Module:
-    """Swap torch's BatchNorm1d/2d/3d and SyncBatchNorm, and timm's BatchNormAct2d family, for accumnorm's.
+    """Swap torch's BatchNorm1d/2d/3d, LazyBatchNorm1d/2d/3d and SyncBatchNorm, and timm's BatchNormAct2d family,
+    for accumnorm's. A lazy layer keeps its eps, momentum, affine and track_running_stats and stays lazy until its
+    first forward (or keeps the tensors a state_dict gave it); `nn.LazyBatchNorm2d(32)` means eps=32, and so does
+    its conversion: `accumnorm.backward` warns of such an eps.
 
     Only those exact types: a subclass of them (say, your own BatchNorm with its own forward) is left
     alone unless listed in `types` (a class or several); a listed class becomes accumnorm's layer of
