@@ -13,6 +13,8 @@ from pathlib import Path
 # (last map 2x2). 1x16 against 16x1 is the study's pair; bn-exact's 1x16 cell is the grid's longest task (it gets a
 # worker of its own). 3 runs give a spread; the table averages the evaluations after step 130 (half the run).
 QUICK = dict(dataset="digits16", norms="bn,bn-exact,gn4", configs="16x1,1x16", runs=3, iterations=260, eval_every=65)
+# --task simclr --quick: every method at 4x4 on the same offline digits, 2 runs of 10 steps: a demo of the files,
+# too short to separate the methods (docs/study/simclr.md has the real study).
 SIMCLR_QUICK = dict(dataset="digits16", configs="4x4", runs=2, iterations=10, eval_every=5)
 QUICKS = {"bn": QUICK, "simclr": SIMCLR_QUICK}
 ONLY = {"norms": "bn", "average_after": "bn", "methods": "simclr", "temperature": "simclr"}  # options of one task
