@@ -7,11 +7,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-# A small offline grid that shows the finding on 2 CPU cores (2 min 15 s of wall time, 167 CPU seconds, measured
-# on the project's 2-core machine while other work ran on it). BatchNorm breaks at micro-batch 1: on the 8x8 digits
-# the last feature map is 1x1 and torch's BatchNorm cannot run there at all, so the digits are upscaled to 16x16
-# (last map 2x2). 1x16 against 16x1 is the study's pair; bn-exact's 1x16 cell is the grid's longest task (it gets a
-# worker of its own). 3 runs give a spread; the table averages the evaluations after step 130 (half the run).
+# A small offline grid that shows the finding in minutes on 2 CPU cores. BatchNorm breaks at micro-batch 1: on the
+# 8x8 digits the last feature map is 1x1 and torch's BatchNorm cannot run there at all, so the digits are upscaled
+# to 16x16 (last map 2x2). 1x16 against 16x1 is the study's pair; bn-exact's 1x16 cell is the grid's longest task
+# (it gets a worker of its own). 3 runs give a spread; the table averages the evaluations after step 130 (half the
+# run).
 QUICK = dict(dataset="digits16", norms="bn,bn-exact,gn4", configs="16x1,1x16", runs=3, iterations=260, eval_every=65)
 # --task simclr --quick: every method at 4x4 on the same offline digits, 2 runs of 10 steps: a demo of the files,
 # too short to separate the methods (docs/study/simclr.md has the real study).
