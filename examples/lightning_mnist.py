@@ -9,6 +9,8 @@ gradient clipping, the optimizer step, checkpoints, logging, DDP. Not `accumulat
 would normalize each batch with its own statistics, so set-up refuses it.
 """
 import argparse
+import logging
+import warnings
 
 import lightning.pytorch as L
 import torch
@@ -51,17 +53,21 @@ class Classifier(ExactAccumulation, L.LightningModule):  # changed: + ExactAccum
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
+# Quiet: Lightning's notes (devices found, tips for its cloud services) and the deprecation warning of torch 2.14 that
+# Lightning's own tree utilities trigger; Lightning's warnings about this script still show.
+logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 L.seed_everything(0, verbose=False)
 data = load_dataset("mnist", args.data)
 train = torch.utils.data.TensorDataset(data.train_x, data.train_y)
 val = torch.utils.data.TensorDataset(data.valid_x[:args.val_samples], data.valid_y[:args.val_samples])
 trainer = L.Trainer(max_steps=args.steps, precision=args.precision, devices=args.devices, strategy=args.strategy,
                     gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_model_summary=False,
-                    enable_progress_bar=False)
+                    enable_progress_bar=False, num_sanity_val_steps=0)
 model = Classifier(args.micro_batch_size)
-trainer.fit(model, torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True))
-result = trainer.validate(  # once, at the end
-    model, torch.utils.data.DataLoader(val, batch_size=500), verbose=False)[0]
+val_loader = torch.utils.data.DataLoader(val, batch_size=500)
+trainer.fit(model, torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True), val_loader)
+result = trainer.validate(model, val_loader, verbose=False)[0]  # at the end (and at each epoch's end in fit)
 if trainer.is_global_zero:
     print(f"final val_acc {result['val_acc']:.4f} on {len(val)} digits after {trainer.global_step} steps")
 if torch.distributed.is_initialized():  # --strategy ddp: Lightning leaves the group up; end it before exit

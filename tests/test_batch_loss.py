@@ -552,7 +552,8 @@ def refused(mode: str, exc, match: str, *, forward_fn=simclr_forward, batch_loss
 
 BAD_LOSSES = {
     "non-scalar": (lambda out, t: torch.stack([nt_xent(out)] * 3), ValueError, r"scalar.*shape \(3,\)"),
-    "non-tensor": (lambda out, t: nt_xent(out).detach().item(), TypeError, r"scalar Tensor, got float"),
+    "non-tensor": (lambda out, t: nt_xent(out).detach().item(), TypeError,
+                   r"scalar Tensor, got float: return the loss tensor itself \(float\(loss\) and loss.item\(\) cut"),
     "integer": (lambda out, t: (nt_xent(out) * 0).long(), TypeError, r"floating-point.*torch.int64"),
     "detached": (lambda out, t: nt_xent(out).detach(), ValueError, r"does not require grad"),
     "non-finite": (lambda out, t: nt_xent(out) * float("inf"), ValueError, r"not finite \(inf\)"),

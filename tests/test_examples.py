@@ -45,6 +45,8 @@ def test_example_prints_its_final_metric(run, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *TINY, *args], cwd=tmp_path,
                           env=cpu_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert not re.search(r"Tip:|deprecated|Warning", output), output[-3000:]  # nothing but the example's own lines
     found = re.search(r"final val_acc (\d\.\d+) on 64 digits", proc.stdout)
     assert found and 0 <= float(found.group(1)) <= 1, proc.stdout[-2000:]
     if "--checkpoint" in args:

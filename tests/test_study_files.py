@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from accumnorm.study import StudySettings, run_study
-from accumnorm.study import _runner as runner
+from accumnorm.study import _norm_study as norm_study
 
 SETTINGS = StudySettings(dataset="digits", norms=("none",), configs=("2x2",), runs=2, iterations=4, eval_every=2)
 
@@ -27,7 +27,7 @@ def finished(tmp_path_factory):
     """A finished 2-run study, trained once for the whole module."""
     out = tmp_path_factory.mktemp("finished")
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setattr(runner, "evaluate", _no_evaluation)
+        monkeypatch.setattr(norm_study, "evaluate", _no_evaluation)
         run_study(out, SETTINGS, progress=False, workers=1)
     return out
 
@@ -42,14 +42,14 @@ def trained(finished, tmp_path, monkeypatch):
     """A copy of the finished study in tmp_path, and the list of (norm, runs) that later calls of _train record."""
     out = tmp_path / "out"
     shutil.copytree(finished, out)
-    calls, train = [], runner._train
+    calls, train = [], norm_study._train
 
     def recording(name, b, k, runs, *args):
         calls.append((name, tuple(runs)))
         return train(name, b, k, runs, *args)
 
-    monkeypatch.setattr(runner, "_train", recording)
-    monkeypatch.setattr(runner, "evaluate", _no_evaluation)
+    monkeypatch.setattr(norm_study, "_train", recording)
+    monkeypatch.setattr(norm_study, "evaluate", _no_evaluation)
     return out, calls
 
 

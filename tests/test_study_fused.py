@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from accumnorm.study import StudySettings, run_study
-from accumnorm.study import _runner as runner
+from accumnorm.study import _norm_study as norm_study
 from accumnorm.study._fused import fusable, use_ghost_batches
 from accumnorm.study._model import SimpleModel, StackedModel, norm_fn
 
@@ -104,7 +104,7 @@ def test_the_runner_gives_the_same_results_fused_or_looped(tmp_path, monkeypatch
     settings = StudySettings(dataset="digits", norms=("bn", "gn4"), configs=("2x4",), runs=2, iterations=4,
                              eval_every=2)
     run_study(tmp_path / "fused", settings, progress=False, workers=1)
-    monkeypatch.setattr(runner, "fusable", lambda model: False)
+    monkeypatch.setattr(norm_study, "fusable", lambda model: False)
     run_study(tmp_path / "loop", settings, progress=False, workers=1)
     rows = {}
     for name in ("fused", "loop"):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from accumnorm.study import StudySettings, parse_config, run_study
-from accumnorm.study import _runner as runner
+from accumnorm.study import _norm_study as norm_study
 from accumnorm.study._report import finding, summary_cells
-from accumnorm.study._runner import data_order
+from accumnorm.study._tasks import data_order
 
 TINY = dict(dataset="digits", iterations=4, eval_every=2, runs=2)
 FILES = ("results.csv", "summary.md", "curves.png", "report.html", "settings.json")
@@ -90,7 +90,7 @@ def test_resume_after_a_crash_skips_finished_runs_and_gives_the_same_results(tmp
     class Killed(BaseException):  # like a kill -9 in the middle of a run: nothing catches it
         pass
 
-    calls, train = [], runner._train
+    calls, train = [], norm_study._train
 
     def crash_on_second(name, b, k, runs, *args):
         calls.append((name, tuple(runs)))
@@ -98,7 +98,7 @@ def test_resume_after_a_crash_skips_finished_runs_and_gives_the_same_results(tmp
             raise Killed
         return train(name, b, k, runs, *args)
 
-    monkeypatch.setattr(runner, "_train", crash_on_second)  # reaches this process only: workers=1
+    monkeypatch.setattr(norm_study, "_train", crash_on_second)  # reaches this process only: workers=1
     with pytest.raises(Killed):
         run_study(tmp_path / "resumed", settings, progress=False, workers=1)
     assert {r["run"] for r in _rows(tmp_path / "resumed")} == {"0"}  # run 0 was kept whole, nothing of run 1

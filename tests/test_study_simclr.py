@@ -12,7 +12,8 @@ from accumnorm._cli import SIMCLR_QUICK, main
 from accumnorm.study import SimCLRSettings, run_study
 from accumnorm.study import _simclr as simclr_module
 from accumnorm.study._data import Dataset
-from accumnorm.study._simclr import METHODS, SIMCLR, WHOLE, SimCLRNet, linear_probe, nt_xent, train_step, two_views
+from accumnorm.study._settings import METHODS, WHOLE
+from accumnorm.study._simclr import SIMCLR, SimCLRNet, linear_probe, nt_xent, train_step, two_views
 from accumnorm.study._simclr_report import finding
 from helpers import rel_err
 
@@ -153,6 +154,7 @@ def test_an_out_holding_other_settings_is_refused_and_left_alone(tmp_path, capsy
     (["--task", "simclr", "--norms", "bn"], "--norms is an option of --task bn, not of --task simclr"),
     (["--methods", "bn"], "--methods is an option of --task simclr, not of --task bn"),
     (["--temperature", "0.1"], "--temperature is an option of --task simclr, not of --task bn"),
+    (["--task", "simclr", "--average-after", "5"], "--average-after is an option of --task bn, not of --task simclr"),
     (["--task", "simclr", "--methods", "bn,byol"], "unknown method 'byol'; expected one of bn-whole, bn, bn-gradcache"),
     (["--task", "simclr", "--temperature", "0"], "temperature must be a finite number > 0, got 0.0"),
     (["--task", "simclr", "--temperature", "nan"], "temperature must be a finite number > 0, got nan"),

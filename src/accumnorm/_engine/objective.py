@@ -23,7 +23,9 @@ BatchLossFn = Callable[[Any, Any], Tensor]
 
 def _checked(loss: Any, what: str, where: str) -> Tensor:
     if not isinstance(loss, Tensor):
-        raise TypeError(f"{what} must return a scalar Tensor, got {type(loss).__name__}{where}")
+        hint = ": return the loss tensor itself (float(loss) and loss.item() cut it from the graph)" if isinstance(
+            loss, (float, int)) else ""
+        raise TypeError(f"{what} must return a scalar Tensor, got {type(loss).__name__}{where}{hint}")
     if loss.dim() != 0:
         raise ValueError(f"{what} must return a scalar (0-dim) Tensor, got shape {tuple(loss.shape)}{where}")
     if not loss.is_floating_point():

@@ -10,8 +10,8 @@ The studies' datasets, networks and SimCLR pieces are public too, for the exampl
 from ._data import Dataset, load_dataset
 from ._model import SimpleModel
 from ._runner import run_study
-from ._settings import StudySettings, parse_config
-from ._simclr import SimCLRNet, SimCLRSettings, linear_probe, nt_xent, project, two_views
+from ._settings import SimCLRSettings, StudySettings, parse_config
+from ._simclr import SimCLRNet, linear_probe, nt_xent, project, two_views
 
 __all__ = ["run_study", "StudySettings", "SimCLRSettings", "parse_config", "Dataset", "load_dataset", "SimpleModel",
            "SimCLRNet", "nt_xent", "two_views", "project", "linear_probe"]

@@ -17,10 +17,10 @@ import torch
 
 from ._data import Dataset, load_dataset
 from ._model import EXACT_BN
-from ._tasks import study_task
 
 if TYPE_CHECKING:
     from ._settings import StudySettings
+    from ._tasks import StudyTask
 
 __all__ = ["Task", "Outcome", "parallelism", "in_process", "in_workers", "GridProgress"]
 
@@ -49,31 +49,33 @@ def parallelism(workers: int | None, device: torch.device, tasks: int) -> tuple[
     return workers, budget if workers == 1 else max(1, budget // workers)
 
 
-def _attempt(task: Task, data: Dataset, settings: StudySettings, on_step: Callable[[int], None]) -> Outcome:
-    """Train `task`; a ValueError or RuntimeError (torch's BatchNorm on a 1x1 map at micro-batch 1) is its outcome."""
+def _attempt(kind: StudyTask, task: Task, data: Dataset, settings: StudySettings,
+             on_step: Callable[[int], None]) -> Outcome:
+    """Train `task` of `kind`; a ValueError or RuntimeError (torch's BatchNorm on a 1x1 map at micro-batch 1) is its
+    outcome."""
     try:
-        return study_task(settings).train(task.name, task.b, task.k, task.runs, data, settings, on_step)
+        return kind.train(task.name, task.b, task.k, task.runs, data, settings, on_step)
     except (ValueError, RuntimeError) as err:
         return str(err).strip().splitlines()[0]
 
 
-def in_process(tasks: Sequence[Task], data: Dataset, settings: StudySettings,
-                bar: GridProgress) -> Iterator[tuple[Task, Outcome]]:
+def in_process(kind: StudyTask, tasks: Sequence[Task], data: Dataset, settings: StudySettings,
+               bar: GridProgress) -> Iterator[tuple[Task, Outcome]]:
     """Train the tasks here, one after the other; after a failure, the rest of that cell is skipped."""
     failed = set()
     for i, task in enumerate(tasks):
         if task[:3] not in failed:
             bar.start(i)
-            outcome = _attempt(task, data, settings, bar.stepper(i))
+            outcome = _attempt(kind, task, data, settings, bar.stepper(i))
             if isinstance(outcome, str):
                 failed.add(task[:3])
             yield task, outcome
         bar.finish(i)  # a failed cell's runs count as done: the grid goes on
 
 
-def in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, threads: int,
-                bar: GridProgress) -> Iterator[tuple[Task, Outcome]]:
-    """Train the tasks in `workers` spawned processes of `threads` threads; yield each as it finishes.
+def in_workers(kind: StudyTask, tasks: Sequence[Task], settings: StudySettings, workers: int, threads: int,
+               bar: GridProgress) -> Iterator[tuple[Task, Outcome]]:
+    """Train the tasks (of `kind`) in `workers` spawned processes of `threads` threads; yield each as it finishes.
 
     The likely costliest tasks go first (bn-exact's extra passes, then more micro-batches per
     step), so that the grid does not end on one long task while the other workers idle. After a
@@ -83,7 +85,7 @@ def in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, thr
     steps = ctx.Queue()  # (task index, run-steps) from the workers, drained here while waiting
     stop = ctx.Event()  # set when this generator ends: workers quit at their next step (e.g. after a Ctrl-C)
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                               initargs=(settings, threads, steps, stop, os.getpid()))
+                               initargs=(kind, settings, threads, steps, stop, os.getpid()))
     try:
         order = sorted(range(len(tasks)), key=lambda i: (tasks[i].name == EXACT_BN, tasks[i].k), reverse=True)
         running = {pool.submit(_work, i, tasks[i]): i for i in order}
@@ -109,14 +111,14 @@ def in_workers(tasks: Sequence[Task], settings: StudySettings, workers: int, thr
         pool.shutdown(cancel_futures=True)
 
 
-_worker: dict[str, Any] = {}  # in a worker process: its dataset, settings, step queue, stop event and parent's pid
+_worker: dict[str, Any] = {}  # in a worker: its task's kind, dataset, settings, step queue, stop event, parent's pid
 
 
-def _init_worker(settings: StudySettings, threads: int, steps: Any, stop: Any, parent: int) -> None:
+def _init_worker(kind: StudyTask, settings: StudySettings, threads: int, steps: Any, stop: Any, parent: int) -> None:
     """Set up a worker process once: its share of the threads and its own copy of the dataset."""
     torch.set_num_threads(threads)
-    _worker.update(data=load_dataset(settings.dataset, settings.data_dir), settings=settings, steps=steps, stop=stop,
-                   parent=parent)
+    _worker.update(kind=kind, data=load_dataset(settings.dataset, settings.data_dir), settings=settings, steps=steps,
+                   stop=stop, parent=parent)
 
 
 def _work(index: int, task: Task) -> Outcome:
@@ -126,7 +128,7 @@ def _work(index: int, task: Task) -> Outcome:
             os._exit(1)  # the parent stopped or was killed: nobody will store this task's rows
         _worker["steps"].put((index, n))
 
-    return _attempt(task, _worker["data"], _worker["settings"], on_step)
+    return _attempt(_worker["kind"], task, _worker["data"], _worker["settings"], on_step)
 
 
 class GridProgress:

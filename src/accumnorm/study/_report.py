@@ -1,7 +1,8 @@
 """The study's answer as a table (summary.md), a figure (curves.png) and one page with both (report.html).
 
 The table is the study's: rows are norms, columns are BxK configs, each cell the mean
-validation accuracy over the evaluations after step 250, averaged over runs, with the spread
+validation accuracy over the evaluations after step `StudySettings.average_after` (250 by
+default), averaged over runs, with the spread
 (standard deviation across runs). The figure is the study's too: validation accuracy against
 step, one panel per norm, one line per config, the mean over runs with a band from the worst
 to the best run.
@@ -25,9 +26,7 @@ from ._settings import StudySettings, parse_config
 from ._store import atomic_write
 
 __all__ = ["write_report", "write_files", "summary_cells", "grid_table", "cell_results", "finding", "versus",
-           "curves_png", "config_label", "Cell", "AFTER_STEP"]
-
-AFTER_STEP = 250  # the study averages the evaluations after this step: the first ones are still warming up
+           "curves_png", "config_label", "Cell"]
 
 
 def config_label(b: int, k: int) -> str:
@@ -35,14 +34,14 @@ def config_label(b: int, k: int) -> str:
 
 
 class Cell(NamedTuple):
-    """A cell's result: mean over runs of each run's mean accuracy after AFTER_STEP, its spread, the runs counted."""
+    """A cell's result: mean over runs of each run's mean accuracy in the window, its spread, the runs counted."""
 
     mean: float
     spread: float
     runs: int
 
 
-def cell_results(rows: list[dict[str, Any]], after: int = AFTER_STEP) -> dict[tuple[str, int, int], Cell]:
+def cell_results(rows: list[dict[str, Any]], after: int) -> dict[tuple[str, int, int], Cell]:
     """(norm, B, K) -> Cell, for the cells with an evaluation after step `after`."""
     per_run = defaultdict(lambda: defaultdict(list))  # (norm, B, K) -> run -> accuracies after `after`
     for r in rows:
@@ -58,8 +57,9 @@ def cell_results(rows: list[dict[str, Any]], after: int = AFTER_STEP) -> dict[tu
 def summary_cells(settings: StudySettings, rows: list[dict[str, Any]],
                   failures: dict[tuple[str, int, int], str]) -> list[list[str]]:
     """The table as strings: a header row, then one row per norm."""
-    return grid_table(settings.norms, [parse_config(c) for c in settings.configs], cell_results(rows), failures,
-                      settings.runs)
+    after = settings.window()
+    return grid_table(settings.norms, [parse_config(c) for c in settings.configs], cell_results(rows, after), failures,
+                      settings.runs, missing=f"n/a (no evaluation after step {after})")
 
 
 Key = tuple[str, int, int]
@@ -68,7 +68,7 @@ Key = tuple[str, int, int]
 def grid_table(names: Sequence[str], configs: Sequence[tuple[int, int]], results: dict[Key, Cell],
                failures: dict[Key, str], runs: int, first: str = "norm",
                key: Callable[[str, int, int], Key] = lambda name, b, k: (name, b, k),
-               missing: str = f"n/a (no evaluation after step {AFTER_STEP})") -> list[list[str]]:
+               missing: str = "n/a") -> list[list[str]]:
     """A header row (`first`, then one column per BxK config), then one row per name; `key` says which cell's
     result stands at (name, B, K) (a method that ignores the split shows the same cell in every column)."""
     table = [[first] + [config_label(b, k) for b, k in configs]]
@@ -96,7 +96,8 @@ def finding(settings: StudySettings, rows: list[dict[str, Any]]) -> str | None:
     A difference counts when it is larger than twice the larger spread over runs of the two cells.
     """
     configs = [parse_config(c) for c in settings.configs]
-    results = {key: cell for key, cell in cell_results(rows).items() if key[0] in settings.norms and key[1:] in configs}
+    results = {key: cell for key, cell in cell_results(rows, settings.window()).items()
+               if key[0] in settings.norms and key[1:] in configs}
     for b, k in configs:
         small, big = results.get(("bn", b, k)), results.get(("bn", b * k, 1))
         if k == 1 or small is None or big is None:
@@ -126,7 +127,7 @@ def write_report(out: Path, settings: StudySettings, rows: list[dict[str, Any]],
     `workers` processes of `threads` torch threads each (default: this process's) trained the cells.
     """
     table = summary_cells(settings, rows, failures)
-    caption = (f"Mean validation accuracy after step {AFTER_STEP} (mean ± std over {settings.runs} runs), "
+    caption = (f"Mean validation accuracy after step {settings.window()} (mean ± std over {settings.runs} runs), "
                f"{settings.dataset}, {settings.iterations} steps, Adam lr {settings.lr}, "
                f"evaluation every {settings.eval_every} steps.")
     configs = [parse_config(c) for c in settings.configs]

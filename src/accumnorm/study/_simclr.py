@@ -25,11 +25,9 @@ accumulation's (NT-Xent over a micro-batch, fewer negatives) is lower and not co
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,49 +38,14 @@ from torch import nn
 import accumnorm
 
 from ._data import Dataset
-from ._runner import data_order
-from ._settings import check_grid, check_positive_float, parse_config
+from ._settings import WHOLE, SimCLRSettings, parse_config, whole_cell
+from ._simclr_report import write_report
+from ._tasks import data_order
 
-__all__ = ["SimCLRSettings", "SimCLRNet", "METHODS", "WHOLE", "SIMCLR", "two_views", "nt_xent", "project",
-           "train_step", "linear_probe"]
+__all__ = ["SimCLRNet", "SIMCLR", "two_views", "nt_xent", "project", "train_step", "linear_probe"]
 
-WHOLE = "bn-whole"
-METHODS = {
-    WHOLE: "BatchNorm, the whole batch in one forward/backward of plain torch",
-    "bn": "plain accumulation: BatchNorm and NT-Xent per micro-batch",
-    "bn-gradcache": "GradCache: BatchNorm per micro-batch, NT-Xent over the whole batch",
-    "bn-exact": "accumnorm exact: BatchNorm and NT-Xent over the whole batch",
-    "gn": "GroupNorm, NT-Xent over the whole batch",
-}
 PROBE_STEPS = 300  # full-batch Adam steps of the linear probe: its accuracy changes by < 0.002 past ~200 here
 _VIEW_SEED = 0x5EED  # views come from a generator seeded seed + r + this, apart from the data order's
-
-
-@dataclass(frozen=True)
-class SimCLRSettings:
-    """What a SimCLR study measures; saved as settings.json next to its results."""
-
-    dataset: str = "mnist"
-    data_dir: str | None = None
-    methods: tuple[str, ...] = tuple(METHODS)
-    configs: tuple[str, ...] = ("8x8", "4x16")
-    runs: int = 3
-    iterations: int = 300
-    eval_every: int = 100
-    lr: float = 1e-3
-    temperature: float = 0.5
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_grid(self, "methods")
-        check_positive_float("temperature", self.temperature)
-        for name in self.methods:
-            if name not in METHODS:
-                raise ValueError(f"unknown method {name!r}; expected one of {', '.join(METHODS)}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"task": "simclr", **dataclasses.asdict(self), "methods": list(self.methods),
-                "configs": list(self.configs)}
 
 
 class _Block(nn.Module):
@@ -253,11 +216,6 @@ def _train_run(name: str, b: int, k: int, run: int, data: Dataset, settings: Sim
     return rows
 
 
-def whole_cell(name: str, b: int, k: int) -> tuple[str, int, int]:
-    """The cell whose result stands at (name, B, K): bn-whole trains the B*K samples in one go at any split."""
-    return (name, b * k, 1) if name == WHOLE else (name, b, k)
-
-
 class _SimCLRTask:
     """SimCLR as the runner's task (see tasks.StudyTask)."""
 
@@ -273,8 +231,6 @@ class _SimCLRTask:
 
     def report(self, out: Path, settings: SimCLRSettings, rows: list[dict[str, Any]],
                failures: dict[tuple[str, int, int], str], **info: Any) -> None:
-        from ._simclr_report import write_report
-
         write_report(out, settings, rows, failures, **info)
 
 

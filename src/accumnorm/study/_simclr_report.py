@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ._report import Cell, cell_results, config_label, curves_png, grid_table, versus, write_files
-from ._settings import parse_config
-from ._simclr import WHOLE, SimCLRSettings, whole_cell
+from ._settings import WHOLE, SimCLRSettings, parse_config, whole_cell
 
 __all__ = ["write_report", "finding", "last_evaluation"]
 

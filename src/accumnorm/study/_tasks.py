@@ -1,21 +1,26 @@
-"""What `accumnorm study --task` trains, and the little the runner needs to know of each task.
+"""The study's registry of tasks, at the bottom of its imports: what a task is, which there are, what they share.
 
-The runner (runner.py) owns what every task shares: the grid of names x BxK configs x runs, resuming from
+The runner (_runner.py) owns what every task shares: the grid of names x BxK configs x runs, resuming from
 results.csv, worker processes, the progress bar. A task says which cells its settings make, which runs of a
-cell train together, how to train them, and how to report the rows. Two tasks:
+cell train together, how to train them, and how to report the rows. Two tasks, each a module above this one:
 
-- ``bn``: the normalization-under-accumulation study (`StudySettings`, runner.py, report.py);
-- ``simclr``: contrastive pre-training under accumulation (`SimCLRSettings`, simclr.py, simclr_report.py).
+- ``bn``: the normalization-under-accumulation study (`StudySettings`, _norm_study.py, _report.py);
+- ``simclr``: contrastive pre-training under accumulation (`SimCLRSettings`, _simclr.py, _simclr_report.py).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["TASKS", "StudyTask", "study_task", "settings_class"]
+import torch
 
-TASKS = ("bn", "simclr")
+from ._settings import SimCLRSettings, StudySettings
+
+__all__ = ["TASKS", "StudyTask", "settings_class", "data_order"]
+
+TASKS: dict[str, type] = {"bn": StudySettings, "simclr": SimCLRSettings}  # task name -> its settings
 Row = dict[str, Any]
 
 
@@ -38,26 +43,17 @@ class StudyTask(Protocol):
 
 
 def settings_class(task: str) -> type:
-    """The settings dataclass of the task named `task` (one of TASKS)."""
-    if task == "bn":
-        from ._settings import StudySettings
-
-        return StudySettings
-    if task == "simclr":
-        from ._simclr import SimCLRSettings
-
-        return SimCLRSettings
-    raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
+    """The settings dataclass of the task named `task` (a key of TASKS)."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
+    return TASKS[task]
 
 
-def study_task(settings: Any) -> StudyTask:
-    """The task that `settings` (a StudySettings or a SimCLRSettings) describe."""
-    from ._runner import NORM_STUDY
-    from ._settings import StudySettings
-    from ._simclr import SIMCLR, SimCLRSettings
-
-    if isinstance(settings, StudySettings):
-        return NORM_STUDY
-    if isinstance(settings, SimCLRSettings):
-        return SIMCLR
-    raise TypeError(f"settings must be a StudySettings or a SimCLRSettings, got {type(settings).__name__}")
+def data_order(n: int, steps: int, per_step: int, seeds: Iterable[int]) -> torch.Tensor:
+    """Sample indices (R, steps, per_step): per run, an endless stream of permutations of range(n) from its seed."""
+    orders = []
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        epochs = math.ceil(steps * per_step / n)
+        orders.append(torch.cat([torch.randperm(n, generator=gen) for _ in range(epochs)])[: steps * per_step])
+    return torch.stack(orders).view(-1, steps, per_step)
