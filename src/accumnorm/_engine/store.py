@@ -75,7 +75,7 @@ class Store:
         if isinstance(packed, _OnHost):
             return self._host.unpack(packed)
         device, t = packed
-        return t.to(device)
+        return t.to(device, non_blocking=True)
 
 
 class _OnHost:
