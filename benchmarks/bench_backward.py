@@ -21,6 +21,8 @@ and the table gives, each figure beside its ratio to plain's:
   saved MiB  the peak of autograd's live saved tensors in the step, weights left out
   host MiB   what a host store (store=None on CUDA) would move per step: the saved tensors, there and back
 
+A summary follows: for the middle K, one row per model, the ratios alone (the short table a README can hold).
+
 "BN" is the number of training-mode F.batch_norm calls one forward makes (L above). The models
 (benchmarks/_models.py, each with its own batch and loss, all from their configs, no weights): the study's
 VGG-like net, torchvision's resnet50 and efficientnet_b0 (MNIST digits upscaled to --size, 3 channels),
@@ -60,13 +62,10 @@ import torch.nn as nn
 from _memory import Memory, keep_freed_memory, measure_in_child
 from _models import BATCH, MODELS
 from _steps import SCHEDULES, bn_calls, exact_schedules, methods, prepare
+from _table import Row, Timing, columns, line, summary_columns, table
 
 DEFAULT_MODELS = ("resnet50", "efficientnet_b0", "yolov8n", "monai_unet3d", "smp_unet", "densenet121_ckpt", "study",
                   "simclr")
-
-# (median seconds, median ratio to plain) per thread count, or why there is none
-Timing = tuple[float, float] | str
-
 
 def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device) -> float:
     model.zero_grad(set_to_none=True)
@@ -114,62 +113,6 @@ def _summary(times: list[float | None], plain: list[float | None]) -> tuple[floa
     if not pairs:
         return float("nan"), float("nan")
     return statistics.median(t for t, _ in pairs), statistics.median(t / p for t, p in pairs)
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:.0f}" if n >= 10 * 2**20 else f"{n / 2**20:.1f}"
-
-
-class Row:
-    """One model at one K: each method's memory (fresh processes) and time (this process, per thread count)."""
-
-    def __init__(self, name: str, calls: int, k: int, memory: dict[str, Memory | str],
-                 timing: dict[int, dict[str, Timing]]) -> None:
-        self.name, self.calls, self.k, self.memory, self.timing = name, calls, k, memory, timing
-
-    def peak(self, m: str) -> str:
-        got, plain = self.memory.get(m, "-"), self.memory.get("plain")
-        if isinstance(got, str):
-            return got
-        if m == "plain" or not isinstance(plain, Memory):
-            return mib(got.peak)
-        return f"{mib(got.peak)} ({got.peak / plain.peak:.2f}x)"
-
-    def time(self, m: str) -> str:
-        cells = []
-        for by_method in self.timing.values():
-            got = by_method.get(m, "-")
-            if isinstance(got, str):
-                cells.append(got)
-            elif got[0] != got[0]:  # not timed
-                cells.append("-")
-            else:
-                cells.append(f"{got[0] * 1e3:.0f}" if m == "plain" else f"{got[1]:.2f}x")
-        return " / ".join(cells) if cells else "-"
-
-    def figures(self, methods: list[str], field: str) -> str:
-        return " / ".join(mib(getattr(v, field)) if isinstance(v := self.memory.get(m, "-"), Memory) else v
-                          for m in methods)
-
-
-def columns(schedules: list[str], threads: list[int]) -> list[tuple[str, Callable[[Row], str]]]:
-    """The table's (header, cell) pairs for the schedules shown."""
-    per = "/".join(f"{t}t" for t in threads)
-    memory = ["plain", "whole", *schedules]
-    cols: list[tuple[str, Callable[[Row], str]]] = [
-        ("model", lambda r: r.name), ("BN", lambda r: str(r.calls)), ("K x b", lambda r: f"{r.k}x{BATCH // r.k}")]
-    cols += [(f"{m} peak MiB", lambda r, m=m: r.peak(m)) for m in memory]
-    cols += [(f"plain ms {per}", lambda r: r.time("plain"))]
-    cols += [(f"{m} time {per}", lambda r, m=m: r.time(m)) for m in schedules]
-    cols += [(f"saved MiB {'/'.join(memory)}", lambda r: r.figures(memory, "saved")),
-             (f"host MiB {'/'.join(schedules)}", lambda r: r.figures(schedules, "moved"))]
-    return cols
-
-
-def line(cells: list[str], markdown: bool) -> str:
-    if markdown:
-        return "| " + " | ".join(cells) + " |"
-    return cells[0].ljust(18) + "".join(c.rjust(max(14, len(c) + 2)) for c in cells[1:])
 
 
 def parse_list(p: argparse.ArgumentParser, flag: str, text: str, allowed: list, kind: type = str) -> list:
@@ -266,16 +209,22 @@ def main() -> None:
     device = torch.device(args.device)
     start = time.perf_counter()
     print(header(args, allocator))
-    cols = columns(args.schedules, args.threads if args.rounds else [])
-    if args.markdown:
-        print()
-        print(line([h for h, _ in cols], True))
-        print(line(["---"] * len(cols), True))
-    else:
-        print(line([h for h, _ in cols], False))
+    threads = args.threads if args.rounds else []
+    cols = columns(args.schedules, threads)
+    print(*table(cols, [], args.markdown), sep="\n", flush=True)
+    rows: list[Row] = []
     for name in args.models:
-        for row in bench_model(name, args, device):
+        try:
+            done = bench_model(name, args, device)
+        except Exception as e:  # a model that cannot run at these settings (too small an input): the others go on
+            print(f"note: {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
+        for row in done:
             print(line([cell(row) for _, cell in cols], args.markdown), flush=True)
+        rows += done
+    k = args.ks[len(args.ks) // 2]
+    print(f"\nSummary at K = {k}: peak and time as ratios to plain accumulation's\n")
+    print(*table(summary_columns(args.schedules, threads), [r for r in rows if r.k == k], args.markdown), sep="\n")
     print(f"\n{time.perf_counter() - start:.0f} s in all")
 
 

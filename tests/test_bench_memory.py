@@ -85,3 +85,21 @@ def test_a_child_process_measures_one_configuration_and_reports_its_figures():
     assert proc.returncode == 0, proc.stderr
     memory = _memory.Memory(**__import__("json").loads(proc.stdout.strip().splitlines()[-1]))
     assert memory.peak > 0 and memory.moved >= 2 * memory.saved > 0
+
+
+@pytest.mark.slow
+@linux_only
+def test_the_benchmark_table_shows_layerwise_holding_what_the_whole_batch_saves():
+    """bench_backward.py end to end, memory only: layerwise keeps the whole batch's saved tensors, and the whole
+    batch's step peaks above plain accumulation's at 4 micro-batches."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_backward.py"), "--models", "study", "--ks", "4",
+                           "--rounds", "0", "--size", "16", "--schedules", "layerwise", "--markdown"],
+                          env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    header, row = (line.split("|")[1:-1] for line in proc.stdout.splitlines()
+                   if line.startswith("| model") or line.startswith("| study"))
+    cells = dict(zip((h.strip() for h in header), (c.strip() for c in row)))
+    plain, whole, layerwise = (float(v) for v in cells["saved MiB plain/whole/layerwise"].split(" / "))
+    assert layerwise == whole > 2 * plain
+    assert float(cells["whole peak MiB"].split()[0]) > float(cells["plain peak MiB"])
+    assert cells["K x b"] == "4x8" and "skipped" not in proc.stdout
