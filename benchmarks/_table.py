@@ -64,20 +64,20 @@ def _first(cols: list[Column]) -> list[Column]:
 
 def columns(schedules: list[str], threads: list[int]) -> list[Column]:
     """The full table's (header, cell) pairs for the schedules shown."""
-    per = "/".join(f"{t}t" for t in threads)
+    per = " " + "/".join(f"{t}t" for t in threads) if threads else ""
     memory = ["plain", "whole", *schedules]
     return _first([(f"{m} peak MiB", lambda r, m=m: r.peak(m)) for m in memory]
-                  + [(f"plain ms {per}", lambda r: r.time("plain"))]
-                  + [(f"{m} time {per}", lambda r, m=m: r.time(m)) for m in schedules]
+                  + [(f"plain ms{per}", lambda r: r.time("plain"))]
+                  + [(f"{m} time{per}", lambda r, m=m: r.time(m)) for m in schedules]
                   + [(f"saved MiB {'/'.join(memory)}", lambda r: r.figures(memory, "saved")),
                      (f"host MiB {'/'.join(schedules)}", lambda r: r.figures(schedules, "moved"))])
 
 
 def summary_columns(schedules: list[str], threads: list[int]) -> list[Column]:
     """The summary's: peak and time as ratios to plain only."""
-    per = "/".join(f"{t}t" for t in threads)
+    per = " " + "/".join(f"{t}t" for t in threads) if threads else ""
     return _first([(f"{m} peak", lambda r, m=m: r.ratio(m)) for m in ["whole", *schedules]]
-                  + [(f"{m} time {per}", lambda r, m=m: r.time(m)) for m in schedules])
+                  + [(f"{m} time{per}", lambda r, m=m: r.time(m)) for m in schedules])
 
 
 def table(cols: list[Column], rows: list[Row], markdown: bool) -> list[str]:

@@ -44,9 +44,11 @@ measured. `--allocator glibc` measures with glibc's defaults.
     python benchmarks/bench_backward.py --models study,simclr --ks 4 --rounds 1 --size 32
     python benchmarks/bench_backward.py --models resnet50 --no-memory --threads 2 --schedules layerwise
 
-The full default run makes about 100 fresh processes and 3 timed rounds per configuration: about 15 minutes
-on a quiet 2-core CPU (a first estimate from the single-step times of the previous table; the run prints its
-own total at the end). Timings taken on a loaded machine are noise; the memory figures are not.
+The full default run makes 89 fresh processes (74 while accumnorm.backward has no "recompute") and times
+3 rounds of each configuration after a warm-up: about 16 minutes on a quiet 2-core CPU (13 without
+recompute), an estimate from the single-step times of the README's previous table, which the run checks by
+printing its own total at the end. `--rounds 2` or `--memory-threads 2` shorten it. Timings taken on a loaded
+machine are noise; the memory figures are not.
 """
 from __future__ import annotations
 
