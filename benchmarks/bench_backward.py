@@ -69,6 +69,7 @@ from _table import Row, Timing, columns, line, summary_columns, table
 DEFAULT_MODELS = ("resnet50", "efficientnet_b0", "yolov8n", "monai_unet3d", "smp_unet", "densenet121_ckpt", "study",
                   "simclr")
 
+
 def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device) -> float:
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -155,8 +156,8 @@ def parse_args() -> argparse.Namespace:
     asked = parse_list(p, "--schedules", args.schedules, list(SCHEDULES))
     args.schedules = [s for s in asked if s in accepted]
     args.threads = parse_list(p, "--threads", args.threads, [], int)
-    if args.rounds < 0 or args.passes_rounds < 0 or any(t < 1 for t in args.threads):
-        p.error("--rounds and --passes-rounds must be >= 0, and each of --threads >= 1")
+    if args.rounds < 0 or args.passes_rounds < 0 or any(t < 1 for t in [*args.threads, args.memory_threads]):
+        p.error("--rounds and --passes-rounds must be >= 0, --memory-threads and each of --threads >= 1")
     if args.passes_rounds > args.rounds:
         args.passes_rounds = args.rounds
     missing = [s for s in asked if s not in accepted]
