@@ -211,7 +211,7 @@ def main() -> None:
     allocator = keep_freed_memory() if args.allocator == "keep" else "glibc's defaults"
     device = torch.device(args.device)
     start = time.perf_counter()
-    print(header(args, allocator))
+    print(header(args, allocator) + ("\n" if args.markdown else ""))
     threads = args.threads if args.rounds else []
     cols = columns(args.schedules, threads)
     print(*table(cols, [], args.markdown), sep="\n", flush=True)
