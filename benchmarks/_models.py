@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "mnist-mini")
-BATCH = 16
+BATCH = 32
 
 Batch = Any  # a tensor, or a tuple of tensors
 

@@ -24,8 +24,13 @@ raises is a FAIL row naming the check (its traceback goes to stderr) and the oth
                      accumulation at micro-batch 8; exact at 8 x 8 with store=None (pinned host memory, the
                      default on CUDA) and store="cuda"; the whole batch of 64 in torch. Limit: the pinned store
                      holds less on the GPU than store="cuda" and than the whole batch.
-  time               resnet50 at 224 px, micro-batch 32 x 8: exact / plain, median of 3 steps after a
-                     warm-up, synchronized (INFO: speed is not pass/fail).
+  cost bf16          resnet50 at 224 px, micro-batch 32 x 8, under bf16 autocast: each way's peak
+                     torch.cuda.max_memory_allocated above the level before its step (after a warm-up
+                     step) and its time, each beside plain accumulation's: layerwise with the pinned
+                     host store (store=None) and with store="cuda", the recompute schedule where
+                     accumnorm.backward has it, the whole batch of 256 in torch ("out of memory" where it
+                     does not fit). Time: 3 interleaved rounds, every other in reverse order, the ratio
+                     the median of each round's ratio to plain (INFO: speed is not pass/fail).
   nccl               a one-rank NCCL process group (file:// rendezvous) through
                      accumnorm.backward(process_group=...), against the oracle as for float32.
 
@@ -50,6 +55,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _steps import accepts
 
 import accumnorm
 
@@ -274,27 +280,70 @@ def check_memory(device: torch.device) -> list[Row]:
     return rows
 
 
-def check_time(device: torch.device) -> list[Row]:
-    name, b, k, rounds = "time", 32, 8, 3
+def check_cost(device: torch.device) -> list[Row]:
+    """Peak memory and time of one step against plain accumulation's: resnet50 at 224 px, 32 x 8, bf16 autocast."""
+    name, b, k, rounds = "cost bf16", 32, 8, 3
     base, batch = resnet("resnet50", device), batch_of(b * k, 224, device)
     steps = {"plain (bn='micro')": accumulated(micro_batch_size=b, bn="micro"),
-             "exact, store=None (pinned host)": accumulated(micro_batch_size=b),
-             "exact, store='cuda'": accumulated(micro_batch_size=b, store="cuda")}
+             "layerwise, store=None (pinned host)": accumulated(micro_batch_size=b, schedule="layerwise"),
+             "layerwise, store='cuda'": accumulated(micro_batch_size=b, schedule="layerwise", store="cuda")}
+    if accepts("recompute"):
+        steps["recompute"] = accumulated(micro_batch_size=b, schedule="recompute")
+    steps[f"whole batch of {b * k} in torch"] = whole_batch
     models = {case: copy.deepcopy(base) for case in steps}
+    peaks: dict[str, float] = {}
     times: dict[str, list[float]] = {case: [] for case in steps}
-    for r in range(rounds + 1):  # round 0 is the warm-up
-        for case, backward in steps.items():
-            models[case].zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            backward(models[case], batch, None)
-            torch.cuda.synchronize()
-            if r > 0:
-                times[case].append(time.perf_counter() - start)
-    plain = statistics.median(times["plain (bn='micro')"])
-    return [Row(name, f"resnet50 224 px {b} x {k}: {case}",
-                f"{statistics.median(t) * 1e3:.0f} ms ({statistics.median(t) / plain:.2f}x plain)", "", "INFO")
-            for case, t in times.items()]
+    failed: dict[str, Row] = {}
+
+    def step(case: str) -> float:
+        models[case].zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            steps[case](models[case], batch, None)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def attempt(case: str, measure: Callable[[str], float]) -> float | None:
+        if case in failed:
+            return None
+        try:
+            return measure(case)
+        except torch.OutOfMemoryError:
+            failed[case] = Row(name, f"{case}: out of memory", "", "", "INFO")
+        except Exception as err:  # this case fails; the others go on
+            traceback.print_exc()
+            failed[case] = Row(name, f"{case}: raised", f"{type(err).__name__}: {err}"[:200], "", "FAIL")
+        torch.cuda.empty_cache()
+        return None
+
+    def peak(case: str) -> float:
+        models[case].zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step(case)
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+    for case in steps:  # a warm-up step (cuDNN's algorithms, the host allocator's first blocks), then the peak
+        if attempt(case, step) is not None:
+            peaks[case] = attempt(case, peak)
+    order = list(steps)
+    for r in range(rounds):  # interleaved, every other round in reverse order
+        for case in order if r % 2 == 0 else order[::-1]:
+            times[case].append(attempt(case, step))
+    plain = "plain (bn='micro')"
+    rows = []
+    for case in steps:
+        if case in failed:
+            rows.append(failed[case])
+            continue
+        ratio = statistics.median(t / p for t, p in zip(times[case], times[plain]) if t is not None and p is not None)
+        rows.append(Row(name, f"resnet50 224 px {b} x {k}: {case}",
+                        f"{peaks[case]:.0f} MiB ({peaks[case] / peaks[plain]:.2f}x plain), "
+                        f"{statistics.median(times[case]) * 1e3:.0f} ms ({ratio:.2f}x plain)", "", "INFO"))
+    return rows
 
 
 def check_nccl(device: torch.device) -> list[Row]:
@@ -320,7 +369,7 @@ CHECKS: dict[str, tuple[Callable[..., list[Row]], tuple, bool]] = {  # name: (ch
     "fp16 overflow": (check_overflow, (), False),
     "fp16 overflow, Trainer": (check_trainer_overflow, (), True),
     "memory": (check_memory, (), True),
-    "time": (check_time, (), True),
+    "cost bf16": (check_cost, (), True),
     "nccl": (check_nccl, (), True),
 }
 

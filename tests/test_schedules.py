@@ -179,6 +179,29 @@ def test_store_on_the_host_changes_nothing_computed(store):
         assert torch.equal(p.grad, q.grad)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("store", [None, "cuda"])
+def test_on_cuda_the_pinned_host_store_is_as_exact_as_the_device(store):
+    """store=None on CUDA: copies to pinned host memory on a side stream, fetched back ahead in the backward."""
+    model = resnet(nn.Tanh).double().cuda()
+    batch = tuple(t.cuda() for t in data((1, 12, 12), 8, torch.float64))
+    check(model, batch, 2, "layerwise", 1e-9, store=store)
+
+
+@pytest.mark.cuda
+def test_the_pinned_host_store_gives_every_saved_tensor_back_in_any_order_and_twice():
+    from accumnorm._engine.store import Store
+
+    x = torch.randn(256, 256, device="cuda", dtype=torch.float64, requires_grad=True)
+    with Store(torch.device("cpu")).hooks():
+        ys = [(x * (i + 1)).sin() for i in range(10)]  # each sin saves its own input, on the device
+    loss = sum(y.sum() for y in ys[::2]) + sum(y.sum() for y in ys[1::2])  # the backward in another order
+    expected = sum((i + 1) * (x * (i + 1)).cos() for i in range(10))
+    for retain in (True, False):  # a second backward over the same graph fetches every tensor again
+        (grad,) = torch.autograd.grad(loss, x, retain_graph=retain)
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_auto_is_layerwise_on_an_ordinary_model_and_says_nothing():
     model = resnet(nn.Tanh).double()
     layerwise = copy.deepcopy(model)

@@ -14,4 +14,5 @@
 - `threadstate`: torch's per-thread state, swapped as the coroutines take turns.
 - `checkpoint`: BatchNorm inside `torch.utils.checkpoint(use_reentrant=False)` regions.
 - `store`: where the layerwise schedule keeps saved tensors.
+- `costs`: the cost model of moving saved tensors to the host against recomputing them on the device.
 """

@@ -3,9 +3,18 @@
 The K micro-batches' graphs live together until the backward. On a GPU their saved tensors can go to
 pinned host memory instead (the default there), copied back when the backward needs them, so that the
 device holds about what one micro-batch needs.
+
+On CUDA the copies keep out of the compute's way (`_HostCopies`). Each runs on a side stream of its own
+device, after the work that made the tensor; the source's memory is not reused before its copy is done
+(`record_stream`). The host blocks come from torch's caching host allocator (`pin_memory=True`), which is
+the pool: it hands a freed pinned block to the next allocation of its size once the copies recorded on it
+are done, so after the first step no pinned memory is allocated. In the backward, fetching a tensor also
+starts the copies back of the next few in reverse packing order, the order the backward needs them in,
+and the compute stream waits on an event of each copy it reads, not on the side stream's later work.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -14,6 +23,10 @@ import torch.nn as nn
 from torch import Tensor
 
 __all__ = ["Store", "resolve_store", "store_for"]
+
+# Copies back started ahead of the backward: enough to hide one copy behind the compute of the previous ones,
+# few enough that the device holds little beyond what the backward reads next.
+_FETCH_AHEAD = 4
 
 
 def resolve_store(store: Any) -> torch.device:
@@ -41,6 +54,7 @@ class Store:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pin = device.type == "cpu" and torch.cuda.is_available()
+        self._host = _HostCopies() if self.pin else None
 
     def hooks(self) -> AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -49,16 +63,76 @@ class Store:
         # Parameters are kept by reference: copying a weight once per micro-batch would only waste memory.
         if t.device == self.device or isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
             return t
-        packed = torch.empty_like(t, device=self.device, pin_memory=self.pin)
-        packed.copy_(t, non_blocking=self.pin)
+        if self._host is not None and t.is_cuda:
+            return self._host.pack(t)
+        packed = torch.empty_like(t, device=self.device)
+        packed.copy_(t)
         return t.device, packed
 
-    @staticmethod
-    def unpack(packed: Any) -> Tensor:
+    def unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
+        if isinstance(packed, _OnHost):
+            return self._host.unpack(packed)
         device, t = packed
         return t.to(device, non_blocking=True)
+
+
+class _OnHost:
+    """A saved CUDA tensor's pinned host copy, and its copy back to the device once one is started."""
+
+    __slots__ = ("host", "device", "index", "fetched", "ready", "__weakref__")
+
+    def __init__(self, host: Tensor, device: torch.device, index: int) -> None:
+        self.host, self.device, self.index = host, device, index
+        self.fetched: Tensor | None = None  # the copy back, on the device, until the backward reads it
+        self.ready: torch.cuda.Event | None = None  # recorded on the side stream after that copy
+
+
+class _HostCopies:
+    """CUDA tensors to pinned host memory and back on side streams, fetched ahead in the backward (module doc)."""
+
+    def __init__(self) -> None:
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.packed: list[weakref.ref[_OnHost]] = []  # in packing order; a copy autograd let go of is gone
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+    def pack(self, t: Tensor) -> _OnHost:
+        compute, side = torch.cuda.current_stream(t.device), self._side(t.device)
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        side.wait_stream(compute)  # the tensor's values are computed before they are read
+        with torch.cuda.stream(side):
+            host.copy_(t, non_blocking=True)
+        t.record_stream(side)  # its memory is not reused until the copy is done
+        saved = _OnHost(host, t.device, len(self.packed))
+        self.packed.append(weakref.ref(saved))
+        return saved
+
+    def unpack(self, saved: _OnHost) -> Tensor:
+        self._fetch(saved)
+        for i in range(saved.index - 1, max(saved.index - 1 - _FETCH_AHEAD, -1), -1):
+            ahead = self.packed[i]()
+            if ahead is not None:
+                self._fetch(ahead)
+        t, ready = saved.fetched, saved.ready
+        saved.fetched = saved.ready = None  # read once; a second backward (retain_graph) copies it back again
+        compute = torch.cuda.current_stream(saved.device)
+        compute.wait_event(ready)
+        t.record_stream(compute)  # allocated on the side stream, read on this one
+        return t
+
+    def _fetch(self, saved: _OnHost) -> None:
+        """Start the copy back of `saved` on its side stream, unless it is under way."""
+        if saved.fetched is not None:
+            return
+        side = self._side(saved.device)
+        with torch.cuda.stream(side):  # after the copy out, which ran on this stream
+            saved.fetched = saved.host.to(saved.device, non_blocking=True)
+            saved.ready = side.record_event()
 
 
 def store_for(store: torch.device, model_device: torch.device) -> Store | None:

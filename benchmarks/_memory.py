@@ -1,0 +1,205 @@
+"""The memory one step takes, each configuration measured in a fresh process of its own.
+
+In the child (`measure_in_child` starts it): build the model, run one warm-up step (first-call costs: the
+kernels' caches, lazy layers, the thread pool), free the gradients, collect garbage and trim glibc's heap
+(`malloc_trim`: what freed memory glibc still holds goes back to the OS), then run the measured step. It
+reports three figures (`Memory`):
+
+  peak   the process's peak resident memory during the step above its resident memory just before it
+         (Linux: the high-water mark VmHWM, reset to the current size through /proc/self/clear_refs; Linux
+         counts resident pages in batches per thread, so it is exact to within a few hundred KiB);
+         on CUDA, torch.cuda.max_memory_allocated above the memory allocated before the step
+  saved  the peak bytes of the tensors autograd holds for the backward (saved-tensor hooks), each storage
+         counted once, weights left out. A tensor saved inside a checkpointed region is packed by the
+         region's own hooks, not counted here: what the step keeps, not what a recomputation holds briefly
+  moved  the bytes a host store would move in the step: every saved tensor but the weights (parameters and
+         leaves that require grad, which a store keeps by reference) copied to the host and back
+
+    python benchmarks/_memory.py resnet50 layerwise 8 --size 64 --threads 1    # one line of JSON
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+
+class Memory(NamedTuple):
+    peak: int  # bytes
+    saved: int
+    moved: int
+
+
+def keep_freed_memory() -> str:
+    """Have glibc keep freed memory for reuse (bench_backward's doc): no trimming of the heap's top, and blocks up
+    to its largest mmap threshold (32 MiB) from the heap. Says what the allocator does now."""
+    libc = _libc()
+    if libc is None:
+        return "the C library's defaults (not glibc)"
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if libc.mallopt(m_trim_threshold, 1 << 30) != 1 or libc.mallopt(m_mmap_threshold, 32 << 20) != 1:
+        return "glibc's defaults (mallopt refused)"
+    return "glibc keeping freed memory"
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc's, not every C library's
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def trim_heap() -> None:
+    """Collect garbage and hand the free memory glibc holds back to the OS, so that a step's peak starts from what
+    the process holds, not from what an earlier one left cached."""
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE).group(1))
+
+
+def peak_resident(step: Callable[[], None]) -> int:
+    """The peak resident bytes of this process while `step` runs, above its resident bytes just before."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark back to the current resident size
+    before = _status_kib("VmRSS")
+    step()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def peak_allocated(step: Callable[[], None], device: torch.device) -> int:
+    """CUDA: the peak bytes allocated on `device` while `step` runs, above what was allocated before."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+class SavedBytes:
+    """Saved-tensor hooks that count what autograd holds (module doc: `saved`, `moved`); tensors pass unchanged."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.moved = 0
+        self._held: dict[int, int] = {}  # storage address -> saved tensors holding it
+        self._lock = threading.RLock()  # autograd may free saved tensors on its own threads
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _Held:
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return t
+        self.moved += 2 * t.numel() * t.element_size()
+        return _Held(self, t)
+
+    def _count(self, key: int, nbytes: int, references: int) -> None:
+        with self._lock:
+            self._held[key] = self._held.get(key, 0) + references
+            if references > 0 and self._held[key] == 1:
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            elif self._held[key] == 0:
+                self.live -= nbytes
+                del self._held[key]
+
+
+class _Held:
+    """A saved tensor, counted until autograd lets go of it."""
+
+    def __init__(self, meter: SavedBytes, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        self.meter, self.t, self.key, self.nbytes = meter, t, storage.data_ptr(), storage.nbytes()
+        meter._count(self.key, self.nbytes, 1)
+
+    def __del__(self) -> None:
+        self.meter._count(self.key, self.nbytes, -1)
+
+
+def _unpack(saved: torch.Tensor | _Held) -> torch.Tensor:
+    return saved.t if isinstance(saved, _Held) else saved
+
+
+def measure(step: Callable[[], None], device: torch.device) -> Memory:
+    """The step's memory (module doc), from a trimmed heap."""
+    trim_heap()
+    saved = SavedBytes()
+
+    def counted() -> None:
+        with saved.hooks():
+            step()
+
+    peak = peak_allocated(counted, device) if device.type == "cuda" else peak_resident(counted)
+    return Memory(peak, saved.peak, saved.moved)
+
+
+def measure_in_child(name: str, method: str, micro: int, args: argparse.Namespace, timeout: float) -> Memory | str:
+    """`method`'s memory on model `name` at micro-batch `micro`, in a fresh process; "failed" (why on stderr)."""
+    command = [sys.executable, __file__, name, method, str(micro), "--size", str(args.size), "--volume",
+               str(args.volume), "--threads", str(args.memory_threads), "--device", args.device,
+               "--allocator", args.allocator]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        print(f"note: {name} {method} micro-batch {micro}: memory run over {timeout:.0f} s", file=sys.stderr)
+        return "failed"
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        print(f"note: {name} {method} micro-batch {micro} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return "failed"
+    return Memory(**json.loads(lines[-1]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from _models import MODELS
+    from _steps import exact_schedules, methods, prepare
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", choices=list(MODELS))
+    p.add_argument("method", help="plain, whole, or an exact schedule")
+    p.add_argument("micro", type=int, help="samples per micro-batch")
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--volume", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--allocator", choices=("keep", "glibc"), default="keep")
+    args = p.parse_args(argv)
+    if args.allocator == "keep":
+        keep_freed_memory()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    step = methods(exact_schedules())[args.method]
+    # passes runs the micro-batches' shapes only, plain's warm-up readies them at a fraction of the cost
+    warm_up = methods([])["plain"] if args.method == "passes" else step
+    prepared = prepare(args.model, args.size, args.volume, device)
+    if prepared is None:
+        sys.exit(1)
+    model, batch = prepared
+    case = MODELS[args.model]
+    warm_up(model, batch, args.micro, case)
+    model.zero_grad(set_to_none=True)
+    memory = measure(lambda: step(model, batch, args.micro, case), device)
+    print(json.dumps(memory._asdict()))
+
+
+if __name__ == "__main__":
+    main()
