@@ -4,9 +4,11 @@ torch keeps grad mode, autocast, saved-tensor hooks, torch-function and dispatch
 device and stream per OS thread. The layerwise schedule runs the K micro-batches' forwards as
 coroutines on the caller's thread, each paused at a BatchNorm call while the others catch up: what
 one of them has entered (a `no_grad`, an `autocast`, a checkpointed region's hooks) must neither leak
-into the others nor into the step. `ThreadState.capture()` takes all of it and `apply()` puts it
-back, changing only what differs. Anything else the dispatcher keeps per thread must be as the step
-found it: `apply` verifies that, and refuses rather than run on in a state it cannot restore.
+into the others nor into the step. Nor must the process-wide flags a forward enters and leaves
+(`detect_anomaly`, `torch.backends.*.flags`, the default dtype: `flags`), kept with the modes.
+`ThreadState.capture()` takes all of it and `apply()` puts it back, changing only what differs.
+Anything else the dispatcher keeps per thread must be as the step found it: `apply` verifies that, and
+refuses rather than run on in a state it cannot restore.
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .flags import flags, set_flags
+
 __all__ = ["ThreadState", "Modes", "autocast_cache_off"]
 
 _C = torch._C
 
 
 class Modes(NamedTuple):
-    """The modes a forward runs in: grad mode, forward-AD mode and autocast (device, enabled, dtype).
+    """The modes a forward runs in: grad mode, forward-AD mode, autocast (device, enabled, dtype), and the
+    process-wide flags it may enter and leave like them (`flags`: anomaly mode, the default dtype, ...).
 
     NamedTuples rather than dataclasses: a snapshot is taken at every switch, and tuples are built and compared
     in C.
@@ -32,13 +37,14 @@ class Modes(NamedTuple):
     fwd_grad: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
+    flags: tuple[Any, ...]
 
     @classmethod
     def current(cls) -> Modes:
         return cls(_C.is_grad_enabled(), _C._is_fwd_grad_enabled(),
                    (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
                     ("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))),
-                   torch.is_autocast_cache_enabled())
+                   torch.is_autocast_cache_enabled(), flags())
 
     def apply(self, current: Modes) -> None:
         if self.grad != current.grad:
@@ -51,6 +57,8 @@ class Modes(NamedTuple):
                 torch.set_autocast_dtype(device, dtype)
         if self.autocast_cache != current.autocast_cache:
             torch.set_autocast_cache_enabled(self.autocast_cache)
+        if self.flags != current.flags:
+            set_flags(self.flags, current.flags)
 
     def entered(self) -> AbstractContextManager[None]:
         """Run the block in these modes, then go back to the ones before."""
