@@ -106,3 +106,72 @@ def test_a_process_flag_entered_in_loss_fn_is_each_micro_batchs_own_and_as_it_wa
                            schedule=schedule)
     assert read() == before
     assert all(s == inside for s in seen)
+
+
+class _Hooked:
+    """A tensor hook that counts its calls and raises at call `fail_at` (None: never)."""
+
+    def __init__(self) -> None:
+        self.calls, self.fail_at = 0, None
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("failure in the backward")
+
+
+@pytest.mark.parametrize("form", ["loss_fn", "whole-batch loss"])
+@pytest.mark.parametrize("failure", ["nan loss in micro-batch 2", "error in the last backward"])
+def test_leaves_outside_the_model_are_part_of_the_transaction(schedule, form, failure):
+    """An input that requires grad (adversarial training) and a temperature held outside the model: a failed step
+    leaves their .grad as it was, a successful one adds the whole batch's gradient to it."""
+    if form == "whole-batch loss" and failure.startswith("nan"):
+        failure = "error in the last backward"  # a whole-batch loss is checked before any backward
+    ref = _tiny()
+    ours = copy.deepcopy(ref)
+    x, y = data((6,), 8, torch.float64)
+    hook = _Hooked()
+    leaves = []
+    for _ in range(2):  # the oracle's and ours
+        temp = nn.Parameter(torch.tensor(1.5, dtype=torch.float64))
+        temp.register_hook(hook)
+        xs = x.clone().requires_grad_()
+        xs.grad, temp.grad = torch.ones_like(x), torch.tensor(0.25, dtype=torch.float64)  # from earlier steps
+        leaves.append((xs, temp))
+    (x_ref, t_ref), (x_ours, t_ours) = leaves
+    poisoned = x_ours.detach()[4:6]
+
+    def loss_fn(m, b, temp, nan=False):
+        loss = F.cross_entropy(m(b[0]) / temp, b[1])
+        return loss * float("nan") if nan and torch.equal(b[0].detach(), poisoned) else loss
+
+    def step(fail: bool) -> None:
+        nan = fail and failure.startswith("nan")
+        if form == "loss_fn":
+            accumnorm.backward(ours, (x_ours, y), lambda m, b: loss_fn(m, b, t_ours, nan), micro_batch_size=2,
+                               schedule=schedule)
+        else:
+            accumnorm.backward(ours, (x_ours, y), micro_batch_size=2, schedule=schedule, targets=y,
+                               forward_fn=lambda m, b: m(b[0]),
+                               batch_loss_fn=lambda out, t: F.cross_entropy(out / t_ours, t))
+
+    hook.calls = 0
+    whole_batch(ref, (x_ref, y), lambda m, b: loss_fn(m, b, t_ref))
+    ours_before = [p.grad for p in ours.parameters()], x_ours.grad.clone(), t_ours.grad.clone()
+    hook.calls, hook.fail_at = 0, None
+    buffers = copy.deepcopy(ours.state_dict())
+    step(fail=False)  # counts the hook's calls in one step
+    calls = hook.calls
+    ours.load_state_dict(buffers)
+    for p, g in zip(ours.parameters(), ours_before[0]):
+        p.grad = g
+    x_ours.grad, t_ours.grad = ours_before[1].clone(), ours_before[2].clone()
+    hook.calls, hook.fail_at = 0, calls if failure.startswith("error") else None
+    with pytest.raises((ValueError, RuntimeError), match="not finite|failure in the backward"):
+        step(fail=True)
+    assert all(p.grad is None for p in ours.parameters())
+    assert torch.equal(x_ours.grad, ours_before[1]) and torch.equal(t_ours.grad, ours_before[2])
+    hook.fail_at = None
+    step(fail=False)
+    compare(ref, ours, 1e-9)
+    assert rel_err(x_ours.grad, x_ref.grad) < 1e-9 and rel_err(t_ours.grad, t_ref.grad) < 1e-9

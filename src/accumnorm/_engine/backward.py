@@ -155,7 +155,7 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
 
         def new_step() -> Step:
             return Step(model, transaction.modules, micro_batches, objective, collectives, rng, interrupts,
-                        transaction.restore_buffers, tracked_before)
+                        transaction.restore_buffers, tracked_before, transaction.backward)
 
         with step_forwards(transaction.modules) if exact else nullcontext():
             step = run(new_step, transaction)

@@ -28,7 +28,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import greenlet
-import torch
 from torch import Tensor
 
 from .calls import BNCall, INCall
@@ -56,7 +55,7 @@ class _Lockstep:
             roots = self._forwards()
         if roots:
             # One backward over every micro-batch: each met call's backward needs all K gradients at once.
-            torch.autograd.backward(roots)
+            self.step.backward(roots)
             self.step.interrupts.check()
 
     def _forwards(self) -> list[Tensor]:
@@ -93,7 +92,7 @@ class _Lockstep:
             if index == 0:
                 # No BatchNorm call at all: each graph is its own, and its backward frees it now, as plain
                 # accumulation would.
-                weighted.backward()
+                step.backward(weighted)
             else:
                 roots.append(weighted)
         return roots

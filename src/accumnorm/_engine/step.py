@@ -56,7 +56,8 @@ class Step:
     def __init__(self, model: nn.Module, modules: list[nn.Module], micro_batches: list[Any],
                  objective: MicroBatchLoss | BatchLoss,
                  collectives: Collectives, rng: StepRng, interrupts: SigintDeferred,
-                 restore_buffers: Callable[[], None], tracked_before: dict[_BatchNorm, Tensor]) -> None:
+                 restore_buffers: Callable[[], None], tracked_before: dict[_BatchNorm, Tensor],
+                 backward: Callable[..., None]) -> None:
         self.model, self.micro_batches, self.objective = model, micro_batches, objective
         # Each BatchNorm module's num_batches_tracked before the step: the micro-batch forwards bump it once per
         # call each, whole-batch torch once per call.
@@ -65,6 +66,9 @@ class Step:
         self.collectives, self.rng = collectives, rng
         self.interrupts = interrupts  # a schedule calls interrupts.check() at each of its safe points
         self.restore_buffers = restore_buffers  # undoes what a forward did to the buffers (a forward run twice)
+        # torch.autograd.backward, for every backward a schedule runs: the leaves it reaches outside the model join
+        # the step's transaction first.
+        self.backward = backward
         # Each buffer's module: a call's running statistics name the layer it belongs to.
         self.owners = {id(b): m for m in modules for b in m._buffers.values() if b is not None}
         self.seen: Counter[nn.Module] = Counter()  # batch-statistics calls the schedule saw, per owning module
