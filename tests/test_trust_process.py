@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import accumnorm
-from helpers import ce_loss, compare, rel_err, whole_batch
+from helpers import assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
 from models import data
 
 
@@ -175,3 +176,95 @@ def test_leaves_outside_the_model_are_part_of_the_transaction(schedule, form, fa
     step(fail=False)
     compare(ref, ours, 1e-9)
     assert rel_err(x_ours.grad, x_ref.grad) < 1e-9 and rel_err(t_ours.grad, t_ref.grad) < 1e-9
+
+
+def test_a_draw_between_a_micro_batchs_turns_is_not_drawn_again():
+    """Between a micro-batch's turns the generator holds the process's stream: what another thread draws then is
+    neither a value the micro-batch draws next nor one the process's stream gives again."""
+    from accumnorm._engine.rng import StepRng
+
+    rng = StepRng(2, [])
+    rng.start()
+    rng.begin(0)
+    torch.rand(3)
+    rng.end(0)
+    foreign = torch.rand(50, dtype=torch.float64)  # another thread, between micro-batch 0's turns
+    rng.begin(0)
+    own = torch.rand(50, dtype=torch.float64)
+    rng.end(0)
+    later = torch.rand(50, dtype=torch.float64)
+    rng.close(failed=False)
+    values = torch.cat([foreign, own, later])
+    assert values.unique().numel() == values.numel()
+
+
+def test_another_threads_random_numbers_are_never_repeated_by_steps(schedule):
+    """A thread that draws while this one runs steps with dropout: no value comes twice (float64 draws: a repeat by
+    chance is out of the question), whenever its draws land."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 16),
+                          nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 10))
+    batch = data((6,), 16)
+    done = threading.Event()
+    draws: list[torch.Tensor] = []
+
+    def draw() -> None:
+        while not done.is_set():
+            draws.append(torch.rand(8, dtype=torch.float64))
+
+    worker = threading.Thread(target=draw, daemon=True)
+    worker.start()
+    try:
+        while len(draws) < 200:  # at least this many draws overlap the steps, however the threads are scheduled
+            for _ in range(2):
+                accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    finally:
+        done.set()
+        worker.join(timeout=60)
+    values = torch.cat(draws)
+    assert values.unique().numel() == values.numel()
+
+
+def test_a_step_inside_another_is_refused_saying_steps_cannot_be_nested(schedule):
+    model, inner = _tiny(), _tiny()
+    batch = data((6,), 8, torch.float64)
+    snap = snapshot(model)
+
+    def loss_fn(m, b):
+        accumnorm.backward(inner, b, ce_loss, micro_batch_size=2, schedule=schedule)
+        return ce_loss(m, b)
+
+    with pytest.raises(ValueError, match="steps cannot be nested"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    assert_unchanged(model, snap)
+    assert all(p.grad is None for p in inner.parameters())
+
+
+def test_a_loss_fn_may_wait_for_a_step_on_another_thread(schedule):
+    """loss_fn hands a step on another model to a worker thread and waits for it: both steps finish, each exact."""
+    torch.manual_seed(0)
+    ref, other_ref = _tiny(), _tiny()
+    ours, other = copy.deepcopy(ref), copy.deepcopy(other_ref)
+    batch, other_batch = data((6,), 8, torch.float64), data((6,), 8, torch.float64)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            accumnorm.backward(other, other_batch, ce_loss, micro_batch_size=2, schedule=schedule)
+        except BaseException as e:  # handed to the test's thread
+            errors.append(e)
+
+    def loss_fn(m, b):
+        loss = ce_loss(m, b)
+        if not any(p.grad is not None for p in other.parameters()):  # once, in the first micro-batch
+            t = threading.Thread(target=worker, daemon=True)
+            t.start()
+            t.join(timeout=120)  # a hang guard only: the worker's step takes well under a second
+            assert not t.is_alive(), "the worker's step is still waiting"
+        return loss
+
+    accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    assert not errors, errors
+    whole_batch(ref, batch)
+    whole_batch(other_ref, other_batch)
+    compare(ref, ours, 1e-9)
+    compare(other_ref, other, 1e-9)

@@ -38,9 +38,8 @@ from .transaction import Transaction
 
 __all__ = ["backward"]
 
-# torch's default random generators are process-wide, and a step swaps each micro-batch's stream in and out of
-# them: steps on several threads take turns, so that each gives what it would give alone.
-_STEP_LOCK = threading.RLock()
+# The steps running on this thread: a step inside another (called from its loss_fn or a hook) is refused.
+_RUNNING = threading.local()
 
 
 def backward(
@@ -102,7 +101,11 @@ def backward(
         BatchNorm call; under passes 2L + 1 times; with a whole-batch loss and one micro-batch at a time (plain,
         `bn="micro"`), twice. Your functions should depend on their arguments only. Every micro-batch draws its
         random numbers from a stream of its own, the same in every run of it and under every schedule; the
-        caller's generators advance by one draw per step, whatever the split.
+        caller's generators advance by one draw per step, whatever the split. torch's generators are
+        process-wide: a draw another thread makes while a micro-batch's forward runs (between two of its
+        BatchNorm calls) comes from that micro-batch's stream, so steps on several threads at once, each with
+        random numbers of its own, are not reproducible (no value is ever drawn twice). A step cannot run
+        inside another's `loss_fn`; a step on another thread can.
 
     Example::
 
@@ -110,6 +113,11 @@ def backward(
         loss = accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4)
         optimizer.step()
     """
+    if getattr(_RUNNING, "step", False):
+        raise ValueError(
+            "accumnorm.backward was called inside another accumnorm.backward step (from its loss_fn, forward_fn, "
+            "batch_loss_fn or a hook): steps cannot be nested. Run the inner step before or after the outer one, or "
+            "make its model part of the outer step's loss")
     model, process_group = unwrap_ddp(model, process_group)
     check_args(model, loss_fn, micro_batch_size, bn, schedule, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
                targets=targets)
@@ -131,9 +139,12 @@ def backward(
     if exact:
         refuse_unseen_batch_norms(model, "passes" if schedule == "passes" else "layerwise")
     store_hooks = store_for(store_device, _device(model))
-    with _STEP_LOCK:
+    _RUNNING.step = True
+    try:
         return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
             _run_exact(new_step, schedule, store_hooks, transaction) if exact else _run(plain, new_step())))
+    finally:
+        _RUNNING.step = False
 
 
 def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBatchLoss | BatchLoss,
