@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import threading
 import warnings
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import set_checkpoint_early_stop
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import accumnorm
 from helpers import assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
@@ -268,3 +269,56 @@ def test_a_loss_fn_may_wait_for_a_step_on_another_thread(schedule):
     whole_batch(other_ref, other_batch)
     compare(ref, ours, 1e-9)
     compare(other_ref, other, 1e-9)
+
+
+class _Checkpointed(nn.Module):
+    """BatchNorm inside a checkpoint(use_reentrant=False) region, and one after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10))
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["error after the forward", "error at a BatchNorm call", "nan loss"])
+def test_failed_steps_on_a_checkpointed_model_free_everything(schedule, failure, one_thread):
+    """300 failing steps: the number of live tensors does not grow."""
+    model = _Checkpointed()
+    x, y = data((6,), 8)
+    poisoned = x[4:6]
+
+    def fail_at_batch_norm(module, args):
+        if args[0].shape[0] == 2 and failure == "error at a BatchNorm call" and calls[0] >= 2:
+            raise RuntimeError("failure in micro-batch 2")
+
+    calls = [0]
+    model.head[1].register_forward_pre_hook(fail_at_batch_norm)
+
+    def loss_fn(m, b):
+        calls[0] += 1
+        loss = ce_loss(m, b)
+        if torch.equal(b[0], poisoned):
+            if failure == "nan loss":
+                return loss * float("nan")
+            raise RuntimeError("failure in micro-batch 2")
+        return loss
+
+    def failing_steps(n: int) -> None:
+        for _ in range(n):
+            calls[0] = 0
+            with pytest.raises((RuntimeError, ValueError), match="failure in micro-batch 2|not finite"):
+                accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule=schedule)
+
+    failing_steps(10)
+    before = _live_tensors()
+    failing_steps(300)
+    assert _live_tensors() <= before

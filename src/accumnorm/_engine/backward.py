@@ -156,6 +156,7 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
     transaction = Transaction(model)
     rng = StepRng(len(micro_batches), transaction.cuda_devices())
     interrupts = SigintDeferred()
+    steps: list[Step] = []
     try:
         interrupts.start()
         transaction.begin()
@@ -165,8 +166,9 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
                           if name == "num_batches_tracked" and isinstance(m, _BatchNorm)}
 
         def new_step() -> Step:
-            return Step(model, transaction.modules, micro_batches, objective, collectives, rng, interrupts,
-                        transaction.restore_buffers, tracked_before, transaction.backward)
+            steps.append(Step(model, transaction.modules, micro_batches, objective, collectives, rng, interrupts,
+                              transaction.restore_buffers, tracked_before, transaction.backward))
+            return steps[-1]
 
         with step_forwards(transaction.modules) if exact else nullcontext():
             step = run(new_step, transaction)
@@ -186,6 +188,8 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
         rng.close(failed=True)
         raise
     finally:
+        for made in steps:
+            made.regions.clear()
         try:
             interrupts.close()
         finally:  # whatever ended the step, the caller's thread is as it was: grad mode, autocast, modes, hooks
