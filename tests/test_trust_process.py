@@ -6,8 +6,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import queue
+import signal
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import accumnorm
-from helpers import assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
+from helpers import assert_unchanged, ce_loss, compare, cpu_env, rel_err, snapshot, whole_batch
 from models import data
 
 
@@ -322,3 +327,52 @@ def test_failed_steps_on_a_checkpointed_model_free_everything(schedule, failure,
     before = _live_tensors()
     failing_steps(300)
     assert _live_tensors() <= before
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_a_loss_fn_that_waits():
+    """tests/programs/sigint_blocked.py: micro-batch 1 blocks inside the model (an Event, a stalled pipe, a queue, a
+    sleep, a join) under each path; once it says it is blocked, one SIGINT ends the step with KeyboardInterrupt and
+    nothing changed. The child's lines are read as they come; the timeout only guards against a hang."""
+    program = Path(__file__).parent / "programs" / "sigint_blocked.py"
+    proc = subprocess.Popen([sys.executable, str(program)], env=cpu_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    results = []
+    try:
+        while True:
+            line = lines.get(timeout=120).strip()
+            if line.startswith("blocked "):
+                proc.send_signal(signal.SIGINT)
+            elif line.startswith(("ok ", "problem ")):
+                results.append(line)
+            elif line == "done":
+                break
+    except queue.Empty:
+        pytest.fail(f"the child hung after {results}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+    assert len(results) == 15 and all(r.startswith("ok ") for r in results), results
+
+
+def test_a_second_sigint_while_the_first_waits_for_a_safe_point_is_raised_at_once():
+    """A SIGINT that lands in torch's code waits for the step's next safe point; a second one before it is raised
+    where it lands (code blocked in torch reaches no safe point). In the user's code the first is raised at once."""
+    from accumnorm._engine.interrupts import SigintDeferred
+
+    torch_frame = eval("__import__('sys')._getframe()", {"__name__": "torch.fake"})  # a frame of torch's code
+    deferred = SigintDeferred()
+    deferred.start()
+    try:
+        deferred._record(signal.SIGINT, torch_frame)  # what the signal calls: recorded only
+        with pytest.raises(KeyboardInterrupt):
+            deferred._record(signal.SIGINT, torch_frame)
+        deferred.check()  # nothing is left pending
+        with pytest.raises(KeyboardInterrupt):
+            deferred._record(signal.SIGINT, sys._getframe())
+    finally:
+        deferred.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
