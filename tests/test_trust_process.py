@@ -376,3 +376,97 @@ def test_a_second_sigint_while_the_first_waits_for_a_safe_point_is_raised_at_onc
     finally:
         deferred.close()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _nested(depth: int) -> nn.Module:
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh())
+    for _ in range(depth):
+        model = nn.Sequential(model)
+    return nn.Sequential(model, nn.Linear(8, 10)).double()
+
+
+def _deepest_whole_batch_torch_runs() -> int:
+    """The deepest `_nested` model whole-batch torch can run here (the recursion limit bounds it)."""
+    low, high = 10, 2000
+    while high - low > 1:
+        mid = (low + high) // 2
+        try:
+            ce_loss(_nested(mid), data((6,), 4, torch.float64)).backward()
+            low = mid
+        except RecursionError:
+            high = mid
+    return low
+
+
+def _mine_greenlet_exit(m, b):
+    import greenlet
+
+    if torch.equal(b[0], _POISONED[0]):
+        raise greenlet.GreenletExit("the user's own")
+    return ce_loss(m, b)
+
+
+def _asyncio_forward(m, b):
+    import asyncio
+
+    async def forward():
+        await asyncio.sleep(0)
+        return m(b[0])
+
+    return F.cross_entropy(asyncio.run(forward()), b[1])
+
+
+def _skips_batch_norm_in(k: int):
+    def loss_fn(m, b):
+        if torch.equal(b[0], _POISONED[k]):
+            return F.cross_entropy(m[5:](m[:4](b[0])), b[1])  # around the second BatchNorm
+        return ce_loss(m, b)
+    return loss_fn
+
+
+_POISONED: list[torch.Tensor] = []
+
+# (loss_fn, what comes out: None for an exact step, else (exception type, message pattern))
+_MESSAGES = {
+    "a GreenletExit of the user's": (_mine_greenlet_exit, (BaseException, "the user's own")),
+    "asyncio.run in loss_fn": (_asyncio_forward, None),
+    "micro-batch 0 skips a BatchNorm call": (_skips_batch_norm_in(0), (
+        ValueError, r"BatchNorm call 1 micro-batch 1 made one \(BatchNorm1d 4 over 8 channels\) where micro-batch 0 "
+                    r"made none \(it had ended its forward\)|micro-batch 1 made BatchNorm call 1 .*where micro-batch 0 "
+                    r"made 1")),
+    "micro-batch 1 skips a BatchNorm call": (_skips_batch_norm_in(1), (
+        ValueError, r"micro-batch 1 (had ended its forward where micro-batch 0 made BatchNorm1d 4|made 1 BatchNorm "
+                    r"calls where micro-batch 0 made 2)")),
+}
+
+
+@pytest.mark.parametrize("case", list(_MESSAGES))
+def test_errors_say_what_happened(schedule, case):
+    """Each case is exact, or ends in an error that names what happened (not a message about something else), with
+    nothing changed."""
+    loss_fn, outcome = _MESSAGES[case]
+    ref = _tiny()
+    ours = copy.deepcopy(ref)
+    batch = data((6,), 8, torch.float64)
+    _POISONED[:] = [batch[0][0:2], batch[0][2:4]]
+    if outcome is None:
+        accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+        whole_batch(ref, batch, loss_fn)
+        compare(ref, ours, 1e-9)
+        return
+    snap = snapshot(ours)
+    error, message = outcome
+    with pytest.raises(error, match=message) as raised:
+        accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    assert "had ended its forward where micro-batch 0 made none" not in str(raised.value)
+    assert_unchanged(ours, snap)
+
+
+def test_a_model_as_deep_as_whole_batch_torch_runs_runs_in_a_step(schedule):
+    depth = _deepest_whole_batch_torch_runs()
+    ref, ours = _nested(depth), _nested(depth)  # deepcopy itself recurses too deep
+    ours.load_state_dict(ref.state_dict())
+    batch = data((6,), 8, torch.float64)
+    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    whole_batch(ref, batch)
+    compare(ref, ours, 1e-9)

@@ -10,10 +10,11 @@ buffer and the caller's random state are as they were.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -141,10 +142,35 @@ def backward(
     store_hooks = store_for(store_device, _device(model))
     _RUNNING.step = True
     try:
-        return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
-            _run_exact(new_step, schedule, store_hooks, transaction) if exact else _run(plain, new_step())))
+        with _room_for_the_steps_frames():
+            return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
+                _run_exact(new_step, schedule, store_hooks, transaction) if exact else _run(plain, new_step())))
     finally:
         _RUNNING.step = False
+
+
+# The frames a step puts between the caller and the model's forward (the driver, a coroutine's start, each
+# BatchNorm call's way to the schedule): the recursion limit is that much higher while steps run, so that a model
+# as deeply nested as whole-batch torch can run runs in a step too.
+_STEP_FRAMES = 64
+_DEEPER = threading.Lock()
+_deeper = [0, 0]  # steps running now (on any thread), and the limit before the first of them
+
+
+@contextmanager
+def _room_for_the_steps_frames() -> Iterator[None]:
+    with _DEEPER:
+        if _deeper[0] == 0:
+            _deeper[1] = sys.getrecursionlimit()
+            sys.setrecursionlimit(_deeper[1] + _STEP_FRAMES)
+        _deeper[0] += 1
+    try:
+        yield
+    finally:
+        with _DEEPER:
+            _deeper[0] -= 1
+            if _deeper[0] == 0:
+                sys.setrecursionlimit(_deeper[1])
 
 
 def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBatchLoss | BatchLoss,

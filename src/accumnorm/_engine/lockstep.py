@@ -118,6 +118,9 @@ class _Lockstep:
         finally:
             self.step.rng.end(k)
             self.current = None
+        if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result
+            end.add_note(f"(raised in micro-batch {k} of accumnorm.backward)") if hasattr(end, "add_note") else None
+            raise end
         if not isinstance(end, BNCall):  # the forward is over: whatever it left of its state goes
             self.base.apply(ThreadState.capture())
         self.step.interrupts.check()

@@ -1,17 +1,20 @@
 """torch's per-thread state, taken and put back as the micro-batches take turns on one OS thread.
 
 torch keeps grad mode, autocast, saved-tensor hooks, torch-function and dispatch modes, and the CUDA
-device and stream per OS thread. The layerwise schedule runs the K micro-batches' forwards as
-coroutines on the caller's thread, each paused at a BatchNorm call while the others catch up: what
-one of them has entered (a `no_grad`, an `autocast`, a checkpointed region's hooks) must neither leak
-into the others nor into the step. Nor must the process-wide flags a forward enters and leaves
-(`detect_anomaly`, `torch.backends.*.flags`, the default dtype: `flags`), kept with the modes.
+device and stream per OS thread, as asyncio keeps its running loop. The layerwise schedule runs the K
+micro-batches' forwards as coroutines on the caller's thread, each paused at a BatchNorm call while the
+others catch up: what one of them has entered (a `no_grad`, an `autocast`, a checkpointed region's
+hooks, an `asyncio.run`) must neither leak into the others nor into the step. Nor must the
+process-wide flags a forward enters and leaves (`detect_anomaly`, `torch.backends.*.flags`, the
+default dtype: `flags`), kept with the modes.
 `ThreadState.capture()` takes all of it and `apply()` puts it back, changing only what differs.
 Anything else the dispatcher keeps per thread must be as the step found it: `apply` verifies that, and
 refuses rather than run on in a state it cannot restore.
 """
 from __future__ import annotations
 
+from asyncio.events import _get_running_loop as _running_loop
+from asyncio.events import _set_running_loop
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
@@ -89,6 +92,7 @@ class ThreadState(NamedTuple):
     hooks_disabled: str | None  # the error message of disable_saved_tensors_hooks, None when enabled
     cuda: tuple[int, Any] | None  # current device and stream, once CUDA is initialized
     keys: tuple[int, int]  # the dispatcher's thread-local included and excluded keys, as raw bits
+    event_loop: Any  # asyncio's running loop, also kept per thread: a forward may run inside asyncio.run
 
     @classmethod
     def capture(cls, modes: Modes | None = None) -> ThreadState:
@@ -108,6 +112,7 @@ class ThreadState(NamedTuple):
             else _C._autograd._saved_tensors_hooks_get_disabled_error_message(),
             cuda,
             _keys(),
+            _running_loop(),
         )
 
     def apply(self, current: ThreadState) -> None:
@@ -152,6 +157,8 @@ class ThreadState(NamedTuple):
         if self.cuda is not None and self.cuda != current.cuda:
             torch.cuda.set_device(self.cuda[0])
             torch.cuda.set_stream(self.cuda[1])
+        if self.event_loop is not current.event_loop:
+            _set_running_loop(self.event_loop)
         if _keys() != self.keys:
             raise RuntimeError(
                 "accumnorm cannot switch between micro-batches here: torch's dispatcher state of this thread differs "
