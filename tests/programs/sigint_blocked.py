@@ -18,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
+from helpers import EXACT_SCHEDULES
 
-PATHS = {"layerwise": dict(schedule="layerwise"), "passes": dict(schedule="passes"), "micro": dict(bn="micro")}
+PATHS = {**{s: dict(schedule=s) for s in EXACT_SCHEDULES}, "micro": dict(bn="micro")}
 
 
 def _pipe_read() -> None:
