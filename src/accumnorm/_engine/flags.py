@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.autograd.graph
 import torch.backends.mha
 import torch.utils.checkpoint
 
@@ -27,21 +28,23 @@ __all__ = ["flags", "set_flags"]
 _C = torch._C
 
 
-_checkpoint, _mha = torch.utils.checkpoint, torch.backends.mha
+_checkpoint, _mha, _graph = torch.utils.checkpoint, torch.backends.mha, torch.autograd.graph
 
 
 def _python_flags() -> tuple[Any, ...]:
     """The flags torch and Python keep as module attributes: checkpoint's early stop, the attention fast path,
-    and the warning filters and display as `warnings.catch_warnings` swaps them. Each object comes with its id:
-    a filter list entered by catch_warnings is a copy, equal in contents to the one it replaces."""
+    `allow_mutation_on_saved_tensors`, and the warning filters and display as `warnings.catch_warnings` swaps
+    them. Each object comes with its id: a filter list entered by catch_warnings is a copy, equal in contents to
+    the one it replaces."""
     filters, show, impl = warnings.filters, warnings.showwarning, warnings._showwarnmsg_impl
-    return (_checkpoint._enable_checkpoint_early_stop, _mha._is_fastpath_enabled, id(filters), id(show), id(impl),
-            filters, show, impl)
+    return (_checkpoint._enable_checkpoint_early_stop, _mha._is_fastpath_enabled,
+            _graph._allow_mutation_on_saved_tensors_enabled, id(filters), id(show), id(impl), filters, show, impl)
 
 
 def _set_python_flags(value: tuple[Any, ...]) -> None:
-    _checkpoint._enable_checkpoint_early_stop, _mha._is_fastpath_enabled = value[:2]
-    warnings.filters, warnings.showwarning, warnings._showwarnmsg_impl = value[5:]
+    (_checkpoint._enable_checkpoint_early_stop, _mha._is_fastpath_enabled,
+     _graph._allow_mutation_on_saved_tensors_enabled) = value[:3]
+    warnings.filters, warnings.showwarning, warnings._showwarnmsg_impl = value[6:]
     warnings._filters_mutated()
 
 

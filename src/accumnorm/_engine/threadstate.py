@@ -29,8 +29,9 @@ _C = torch._C
 
 
 class Modes(NamedTuple):
-    """The modes a forward runs in: grad mode, forward-AD mode, autocast (device, enabled, dtype), and the
-    process-wide flags it may enter and leave like them (`flags`: anomaly mode, the default dtype, ...).
+    """The modes a forward runs in: grad mode, forward-AD mode, autocast (device, enabled, dtype), autograd's
+    per-thread switches, and the process-wide flags it may enter and leave like them (`flags`: anomaly mode,
+    the default dtype, ...).
 
     NamedTuples rather than dataclasses: a snapshot is taken at every switch, and tuples are built and compared
     in C.
@@ -40,6 +41,7 @@ class Modes(NamedTuple):
     fwd_grad: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
+    autograd: tuple[bool, bool]  # autograd's multithreading and view replay (`torch.autograd.graph`'s contexts)
     flags: tuple[Any, ...]
 
     @classmethod
@@ -47,7 +49,8 @@ class Modes(NamedTuple):
         return cls(_C.is_grad_enabled(), _C._is_fwd_grad_enabled(),
                    (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
                     ("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))),
-                   torch.is_autocast_cache_enabled(), flags())
+                   torch.is_autocast_cache_enabled(), (_C._is_multithreading_enabled(), _C._is_view_replay_enabled()),
+                   flags())
 
     def apply(self, current: Modes) -> None:
         if self.grad != current.grad:
@@ -60,6 +63,9 @@ class Modes(NamedTuple):
                 torch.set_autocast_dtype(device, dtype)
         if self.autocast_cache != current.autocast_cache:
             torch.set_autocast_cache_enabled(self.autocast_cache)
+        if self.autograd != current.autograd:
+            _C._set_multithreading_enabled(self.autograd[0])
+            _C._set_view_replay_enabled(self.autograd[1])
         if self.flags != current.flags:
             set_flags(self.flags, current.flags)
 
