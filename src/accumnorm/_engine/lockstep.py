@@ -119,7 +119,8 @@ class _Lockstep:
             self.step.rng.end(k)
             self.current = None
         if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result
-            end.add_note(f"(raised in micro-batch {k} of accumnorm.backward)") if hasattr(end, "add_note") else None
+            if hasattr(end, "add_note"):
+                end.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
             raise end
         if not isinstance(end, BNCall):  # the forward is over: whatever it left of its state goes
             self.base.apply(ThreadState.capture())
