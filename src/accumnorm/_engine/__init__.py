@@ -11,7 +11,8 @@
 - `joint`: that call across the ranks of a process group (SyncBatchNorm on any device).
 - `calls`: the TorchFunctionMode that routes every batch-statistics norm call of a step to its schedule.
 - `plain`, `lockstep` (the layerwise schedule: coroutines on the caller's thread), `passes`: the schedules.
-- `threadstate`: torch's per-thread state, swapped as the coroutines take turns.
+- `threadstate`: torch's per-thread state, swapped as the coroutines take turns; `flags`: the process-wide flags
+  swapped with it.
 - `checkpoint`: BatchNorm inside `torch.utils.checkpoint(use_reentrant=False)` regions.
 - `store`: where the layerwise schedule keeps saved tensors.
 - `costs`: the cost model of moving saved tensors to the host against recomputing them on the device.

@@ -10,10 +10,11 @@ buffer and the caller's random state are as they were.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -39,9 +40,8 @@ from .transaction import Transaction
 
 __all__ = ["backward"]
 
-# torch's default random generators are process-wide, and a step swaps each micro-batch's stream in and out of
-# them: steps on several threads take turns, so that each gives what it would give alone.
-_STEP_LOCK = threading.RLock()
+# The steps running on this thread: a step inside another (called from its loss_fn or a hook) is refused.
+_RUNNING = threading.local()
 
 
 def backward(
@@ -103,7 +103,11 @@ def backward(
         BatchNorm call; under passes 2L + 1 times; with a whole-batch loss and one micro-batch at a time (plain,
         `bn="micro"`), twice. Your functions should depend on their arguments only. Every micro-batch draws its
         random numbers from a stream of its own, the same in every run of it and under every schedule; the
-        caller's generators advance by one draw per step, whatever the split.
+        caller's generators advance by one draw per step, whatever the split. torch's generators are
+        process-wide: a draw another thread makes while a micro-batch's forward runs (between two of its
+        BatchNorm calls) comes from that micro-batch's stream, so steps on several threads at once, each with
+        random numbers of its own, are not reproducible (no value is ever drawn twice). A step cannot run
+        inside another's `loss_fn`; a step on another thread can.
 
     Example::
 
@@ -111,6 +115,11 @@ def backward(
         loss = accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4)
         optimizer.step()
     """
+    if getattr(_RUNNING, "step", False):
+        raise ValueError(
+            "accumnorm.backward was called inside another accumnorm.backward step (from its loss_fn, forward_fn, "
+            "batch_loss_fn or a hook): steps cannot be nested. Run the inner step before or after the outer one, or "
+            "make its model part of the outer step's loss")
     model, process_group = unwrap_ddp(model, process_group)
     check_args(model, loss_fn, micro_batch_size, bn, schedule, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
                targets=targets)
@@ -132,9 +141,37 @@ def backward(
     if exact:
         refuse_unseen_batch_norms(model, "passes" if schedule == "passes" else "layerwise")
     store_hooks = store_for(store_device, _device(model))
-    with _STEP_LOCK:
-        return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
-            _run_exact(new_step, schedule, store_hooks, transaction) if exact else _run(plain, new_step())))
+    _RUNNING.step = True
+    try:
+        with _room_for_the_steps_frames():
+            return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
+                _run_exact(new_step, schedule, store_hooks, transaction) if exact else _run(plain, new_step())))
+    finally:
+        _RUNNING.step = False
+
+
+# The frames a step puts between the caller and the model's forward (the driver, a coroutine's start, each
+# BatchNorm call's way to the schedule): the recursion limit is that much higher while steps run, so that a model
+# as deeply nested as whole-batch torch can run runs in a step too.
+_STEP_FRAMES = 64
+_DEEPER = threading.Lock()
+_deeper = [0, 0]  # steps running now (on any thread), and the limit before the first of them
+
+
+@contextmanager
+def _room_for_the_steps_frames() -> Iterator[None]:
+    with _DEEPER:
+        if _deeper[0] == 0:
+            _deeper[1] = sys.getrecursionlimit()
+            sys.setrecursionlimit(_deeper[1] + _STEP_FRAMES)
+        _deeper[0] += 1
+    try:
+        yield
+    finally:
+        with _DEEPER:
+            _deeper[0] -= 1
+            if _deeper[0] == 0:
+                sys.setrecursionlimit(_deeper[1])
 
 
 def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBatchLoss | BatchLoss,
@@ -147,6 +184,7 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
     warn_large_eps(model, transaction.modules)
     rng = StepRng(len(micro_batches), transaction.cuda_devices())
     interrupts = SigintDeferred()
+    steps: list[Step] = []
     try:
         interrupts.start()
         transaction.begin()
@@ -156,8 +194,9 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
                           if name == "num_batches_tracked" and isinstance(m, _BatchNorm)}
 
         def new_step() -> Step:
-            return Step(model, transaction.modules, micro_batches, objective, collectives, rng, interrupts,
-                        transaction.restore_buffers, tracked_before)
+            steps.append(Step(model, transaction.modules, micro_batches, objective, collectives, rng, interrupts,
+                              transaction.restore_buffers, tracked_before, transaction.backward))
+            return steps[-1]
 
         with step_forwards(transaction.modules) if exact else nullcontext():
             step = run(new_step, transaction)
@@ -177,6 +216,8 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
         rng.close(failed=True)
         raise
     finally:
+        for made in steps:
+            made.regions.clear()
         try:
             interrupts.close()
         finally:  # whatever ended the step, the caller's thread is as it was: grad mode, autocast, modes, hooks

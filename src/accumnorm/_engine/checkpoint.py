@@ -39,7 +39,8 @@ class Regions:
 
     def __init__(self, norm_calls: Callable[..., NormCalls]) -> None:
         self.norm_calls = norm_calls
-        self.calls: dict[int, tuple[Any, list[Recompute]]] = {}  # id(frame) -> (frame, its calls in order)
+        # id(frame) -> (frame, its calls in order, the frame's own recompute_fn)
+        self.calls: dict[int, tuple[Any, list[Recompute], Any]] = {}
 
     def enter_forward_call(self, recompute: Recompute, hooks: tuple[tuple[Any, Any], ...] | None = None) -> None:
         """Record a forward call, with how to give its output again, in every region it is made in (`hooks`: the
@@ -47,7 +48,7 @@ class Regions:
         for frame in _forward_regions(saved_tensor_hooks() if hooks is None else hooks):
             entry = self.calls.get(id(frame))
             if entry is None:
-                entry = self.calls[id(frame)] = (frame, [])
+                entry = self.calls[id(frame)] = (frame, [], frame.recompute_fn)
                 self._recompute_in_step(frame, entry[1])
             entry[1].append(recompute)
 
@@ -71,6 +72,14 @@ class Regions:
         frame.recompute_fn = recompute_fn
 
     def clear(self) -> None:
+        """Let go of the recorded calls, and give each frame its own recompute_fn back, at the end of the step.
+
+        A recorded call holds the whole batch's graph, which holds the region's frame through its saved tensors: a
+        cycle through autograd's C++ graph, which Python's collector cannot see. A step that fails before its
+        backward would keep it, and every tensor of its forwards, for good."""
+        for frame, recorded, own in self.calls.values():
+            recorded.clear()
+            frame.recompute_fn = own
         self.calls.clear()
 
 

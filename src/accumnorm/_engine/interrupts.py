@@ -8,6 +8,11 @@ runs on the main thread, `SigintDeferred` records a SIGINT instead of raising it
 at its safe points (between micro-batches, at every BatchNorm meeting, before it commits), where the
 previous handler is called: the KeyboardInterrupt is raised there, and the step rolls back.
 
+Code that waits (a `threading.Event().wait()`, a stalled pipe, a queue) reaches no safe point, so a SIGINT
+is not deferred where that danger is not: when the code it interrupts is neither torch's nor accumnorm's
+(the user's, or the standard library's waits), it is handled at once; and a second SIGINT while the first
+still waits for a safe point is handled at once wherever it lands.
+
 The previous handler comes back when the step ends; a Python handler of the caller's is the one called.
 Off the main thread (where no KeyboardInterrupt arrives) and with SIGINT ignored, nothing is changed.
 """
@@ -19,6 +24,15 @@ from types import FrameType
 from typing import Any
 
 __all__ = ["SigintDeferred"]
+
+
+_DEFERRED_IN = ("torch", "accumnorm", "contextlib", "greenlet")  # the packages whose code a SIGINT waits for
+
+
+def _in_torch(frame: FrameType | None) -> bool:
+    """Whether the interrupted code is torch's or accumnorm's (or a context manager's or coroutine's machinery)."""
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name.partition(".")[0] in _DEFERRED_IN
 
 
 class SigintDeferred:
@@ -36,7 +50,11 @@ class SigintDeferred:
             self.previous = signal.signal(signal.SIGINT, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.pending = (signum, frame)
+        if self.pending is None and _in_torch(frame):
+            self.pending = (signum, frame)
+            return
+        self.pending = None
+        self.previous(signum, frame)
 
     def check(self) -> None:
         """A safe point: a SIGINT that arrived since the last one is handled now, by the previous handler."""

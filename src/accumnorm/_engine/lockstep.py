@@ -28,7 +28,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import greenlet
-import torch
 from torch import Tensor
 
 from .calls import BNCall, INCall
@@ -56,7 +55,7 @@ class _Lockstep:
             roots = self._forwards()
         if roots:
             # One backward over every micro-batch: each met call's backward needs all K gradients at once.
-            torch.autograd.backward(roots)
+            self.step.backward(roots)
             self.step.interrupts.check()
 
     def _forwards(self) -> list[Tensor]:
@@ -93,7 +92,7 @@ class _Lockstep:
             if index == 0:
                 # No BatchNorm call at all: each graph is its own, and its backward frees it now, as plain
                 # accumulation would.
-                weighted.backward()
+                step.backward(weighted)
             else:
                 roots.append(weighted)
         return roots
@@ -119,6 +118,10 @@ class _Lockstep:
         finally:
             self.step.rng.end(k)
             self.current = None
+        if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result
+            if hasattr(end, "add_note"):
+                end.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
+            raise end
         if not isinstance(end, BNCall):  # the forward is over: whatever it left of its state goes
             self.base.apply(ThreadState.capture())
         self.step.interrupts.check()

@@ -9,6 +9,7 @@ backward from those gradients.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,7 +58,8 @@ class OutputGrads:
     it to them, and keeps each micro-batch's slice of their gradients for `backward(k, outputs)`.
     """
 
-    def __init__(self, outputs: list[Any]) -> None:
+    def __init__(self, outputs: list[Any], backward: Callable[..., None]) -> None:
+        self._backward = backward  # torch.autograd.backward, or the step's, which takes every leaf it reaches
         whole = concatenate(outputs)  # checks every output first
         self.sizes = [tree_flatten(out)[0][0].shape[0] for out in outputs]
         leaves, self.spec = tree_flatten(whole)
@@ -69,7 +71,7 @@ class OutputGrads:
         loss, scaled = batch_loss(self.whole)
         # Everything the loss reaches gets its gradient: the outputs, and any parameter the loss uses itself (a
         # learnable temperature).
-        scaled.backward()
+        self._backward(scaled)
         return loss
 
     def backward(self, k: int, outputs: Any, inputs: list[Tensor] | None = None) -> None:
@@ -81,4 +83,4 @@ class OutputGrads:
                 tensors.append(out)
                 grads.append(leaf.grad[start:start + self.sizes[k]])
         if tensors:
-            torch.autograd.backward(tensors, grads, inputs=inputs)
+            self._backward(tensors, grads, inputs=inputs)

@@ -173,7 +173,7 @@ class _Passes:
         self.mode, self.target = self.STATS, len(self.calls)  # no call is the target: every forward completes
         with torch.no_grad():
             outputs = [self._forward(k) for k in self._each()]
-        self.grads = OutputGrads(outputs)
+        self.grads = OutputGrads(outputs, self.step.backward)
         self.step.whole_loss = self.grads.loss(self.step.objective.loss).detach()
 
     def _backward_from(self, k: int, result: Any, inputs: list[Tensor] | None = None) -> None:
@@ -181,7 +181,7 @@ class _Passes:
         if self.step.objective.whole:
             self.grads.backward(k, result, inputs)
         else:
-            torch.autograd.backward(self.step.objective.weighted(result, k), inputs=inputs)
+            self.step.backward(self.step.objective.weighted(result, k), inputs=inputs)
 
     def _finish_sums(self, call: _Call) -> None:
         """Call's sums are complete on this rank: reduce them across ranks and switch it to exact backward."""
@@ -222,7 +222,7 @@ class _Passes:
             invstd = torch.rsqrt(call.stats.var + first.eps)
             scale = invstd if first.weight is None else invstd * first.weight.detach().to(invstd.dtype)
             x_hat = (x.detach().to(call.stats.mean.dtype) - call.stats.mean.view(shape)) * invstd.view(shape)
-            torch.autograd.backward(x, call.sums.correction(x_hat, scale).to(x.dtype))
+            self.step.backward(x, [call.sums.correction(x_hat, scale).to(x.dtype)])
 
 
 def passes(step: Step) -> None:

@@ -26,7 +26,7 @@ def plain(step: Step) -> None:
     for k in range(len(step.micro_batches)):
         loss = _forward(step, k)
         step.losses[k] = loss.detach()
-        step.objective.weighted(loss, k).backward()
+        step.backward(step.objective.weighted(loss, k))
         step.interrupts.check()
 
 
@@ -42,7 +42,7 @@ def _whole_batch_loss(step: Step) -> None:
     if len(step.micro_batches) == 1:  # the whole batch at once
         loss, scaled = step.objective.loss(_forward(step, 0))
         step.whole_loss = loss.detach()
-        scaled.backward()
+        step.backward(scaled)
         return
     outputs = []
     with autocast_cache_off(), torch.no_grad():
@@ -50,7 +50,7 @@ def _whole_batch_loss(step: Step) -> None:
             outputs.append(_forward(step, k))
             step.interrupts.check()
     step.restore_buffers()
-    grads = OutputGrads(outputs)
+    grads = OutputGrads(outputs, step.backward)
     del outputs
     step.whole_loss = grads.loss(step.objective.loss).detach()
     for k in range(len(step.micro_batches)):

@@ -4,20 +4,33 @@ A schedule may run a micro-batch's forward more than once (the passes schedule),
 forwards (layerwise): if they drew from the caller's generators, their dropout masks would depend on
 the schedule and the split, and so would the caller's next `torch.rand()` and a DataLoader's next
 shuffle. So every step takes one 64-bit draw from the caller's CPU generator, whatever the split and
-schedule, derives one seed per micro-batch from it, and gives the caller's generators (CPU and CUDA)
-back as they were after that draw.
+schedule, derives one seed per micro-batch from it, and leaves the caller's generators (CPU and CUDA)
+as they were after that draw.
 
-NOTE: torch's default generators are process-wide, so while a step runs, draws made by other threads
-come from the step's streams (as they would interleave with any forward); steps themselves take turns
-(`accumnorm.backward` holds a lock).
+torch's default generators are process-wide, and other threads draw from them too: a micro-batch's stream
+is in them only for its turns (`begin` to `end`), and the process's own stream the rest of the time, so
+a draw of another thread between turns continues the process's stream, and none is ever drawn twice.
+During a turn, another thread's draw comes from that micro-batch's stream (as draws of several threads
+interleave in any forward); so do the draws of a step on another thread whose turn overlaps this one's:
+the swaps are bookkept per generator (`_HOLDERS`: which stream each holds now), so that whatever the
+overlap, each stream goes on from where it was last left.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
+from torch import Tensor
 
 __all__ = ["StepRng"]
 
 _MASK = (1 << 64) - 1
+
+_SWAPS = threading.Lock()  # held only while streams are swapped, never while a forward runs
+# The micro-batch stream each generator (by device) holds now: (its StepRng, micro-batch, generator index); the
+# process's own stream, set aside meanwhile, is in _OUTSIDE.
+_HOLDERS: dict[torch.device, tuple[StepRng, int, int]] = {}
+_OUTSIDE: dict[torch.device, Tensor] = {}
 
 
 def _splitmix64(x: int) -> int:
@@ -32,16 +45,18 @@ class StepRng:
     """The random streams of one step's K micro-batches over the CPU and the given CUDA devices.
 
     `start()` draws the seeds; `begin(k)` makes micro-batch k's stream current (from its start, or from where
-    `end(k)` left it; `restart=True`: from its start again, for a schedule that replays the micro-batch);
-    `close()` gives the caller's state back: one draw on, or as it was before the step if the step failed.
+    `end(k)` left it; `restart=True`: from its start again, for a schedule that replays the micro-batch), setting
+    the process's stream aside; `end(k)` puts the process's stream back; `close()` leaves the caller's stream
+    one draw on, or, if the step failed and no other thread drew meanwhile, as it was before the step.
     """
 
     def __init__(self, num_micro_batches: int, cuda_devices: list[int]) -> None:
         self.generators = [torch.default_generator] + [torch.cuda.default_generators[d] for d in cuda_devices]
+        self.devices = [g.device for g in self.generators]
         self.before = [g.get_state() for g in self.generators]
         self.after = self.before
         self.seeds: list[int] = []
-        self.states: list[list[torch.Tensor] | None] = [None] * num_micro_batches
+        self.states: list[list[Tensor | None]] = [[None] * len(self.generators) for _ in range(num_micro_batches)]
 
     def start(self) -> None:
         """The one draw from the caller's stream (the DataLoader draws its base seed the same way), and the seeds."""
@@ -50,20 +65,37 @@ class StepRng:
         self.seeds = [_splitmix64(base + k) for k in range(len(self.states))]
 
     def begin(self, k: int, restart: bool = False) -> None:
-        state = None if restart else self.states[k]
-        for i, g in enumerate(self.generators):
-            if state is None:
-                g.manual_seed(self.seeds[k])
-            else:
-                g.set_state(state[i])
+        with _SWAPS:
+            for i, (g, device) in enumerate(zip(self.generators, self.devices)):
+                holder = _HOLDERS.get(device)
+                if holder is None:
+                    _OUTSIDE[device] = g.get_state()
+                else:  # another turn's stream (of a step on another thread): it goes on from here next time
+                    rng, j, gi = holder
+                    rng.states[j][gi] = g.get_state()
+                state = None if restart else self.states[k][i]
+                if state is None:
+                    g.manual_seed(self.seeds[k])
+                else:
+                    g.set_state(state)
+                _HOLDERS[device] = (self, k, i)
+
+    def end(self, k: int) -> None:
+        with _SWAPS:
+            for i, (g, device) in enumerate(zip(self.generators, self.devices)):
+                holder = _HOLDERS.get(device)
+                if holder is not None and holder[0] is self and holder[1] == k:
+                    self.states[k][i] = g.get_state()
+                    g.set_state(_OUTSIDE.pop(device))
+                    del _HOLDERS[device]
 
     def rewind(self) -> None:
         """Every micro-batch's stream back to its start, for a schedule that starts the step over."""
-        self.states = [None] * len(self.states)
-
-    def end(self, k: int) -> None:
-        self.states[k] = [g.get_state() for g in self.generators]
+        self.states = [[None] * len(self.generators) for _ in self.states]
 
     def close(self, failed: bool) -> None:
-        for g, state in zip(self.generators, self.before if failed else self.after):
-            g.set_state(state)
+        if not failed:
+            return
+        for g, before, after in zip(self.generators, self.before, self.after):
+            if torch.equal(g.get_state(), after):  # else another thread drew since: its values must not come again
+                g.set_state(before)

@@ -56,7 +56,8 @@ class Step:
     def __init__(self, model: nn.Module, modules: list[nn.Module], micro_batches: list[Any],
                  objective: MicroBatchLoss | BatchLoss,
                  collectives: Collectives, rng: StepRng, interrupts: SigintDeferred,
-                 restore_buffers: Callable[[], None], tracked_before: dict[_BatchNorm, Tensor]) -> None:
+                 restore_buffers: Callable[[], None], tracked_before: dict[_BatchNorm, Tensor],
+                 backward: Callable[..., None]) -> None:
         self.model, self.micro_batches, self.objective = model, micro_batches, objective
         # Each BatchNorm module's num_batches_tracked before the step: the micro-batch forwards bump it once per
         # call each, whole-batch torch once per call.
@@ -65,6 +66,9 @@ class Step:
         self.collectives, self.rng = collectives, rng
         self.interrupts = interrupts  # a schedule calls interrupts.check() at each of its safe points
         self.restore_buffers = restore_buffers  # undoes what a forward did to the buffers (a forward run twice)
+        # torch.autograd.backward, for every backward a schedule runs: the leaves it reaches outside the model join
+        # the step's transaction first.
+        self.backward = backward
         # Each buffer's module: a call's running statistics name the layer it belongs to.
         self.owners = {id(b): m for m in modules for b in m._buffers.values() if b is not None}
         self.seen: Counter[nn.Module] = Counter()  # batch-statistics calls the schedule saw, per owning module
@@ -122,14 +126,14 @@ class Step:
         first = calls[0]
         if first is not None and all(call is not None and _identical(first, call) for call in calls[1:]):
             return
-        for i, call in enumerate(calls):
+        for i, call in enumerate(calls[1:], 1):
             problem = _difference(first, call, grad_mode, self.names)
             if problem is not None:
                 k = micro_batches[i] if micro_batches is not None else i
+                theirs = self.describe(first) if first is not None else "none (it had ended its forward)"
                 raise ValueError(
                     f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but at "
-                    f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made "
-                    f"{self.describe(first) if first is not None else 'none'}")
+                    f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made {theirs}")
 
     def check_count(self, rows: int, shape: Sequence[int]) -> None:
         """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch of `rows`
@@ -203,9 +207,16 @@ class Step:
 
     @property
     def names(self) -> dict[nn.Module, str]:
-        """Each module's name in the model, for messages."""
+        """Each module's name in the model, for messages: `named_modules`'s, found without recursion (a message may be
+        wanted deep inside a deeply nested model's forward)."""
         if self._names is None:
-            self._names = {m: name or "(the model)" for name, m in self.model.named_modules()}
+            self._names, pending = {}, [("", self.model)]
+            while pending:
+                name, m = pending.pop()
+                if m not in self._names:
+                    self._names[m] = name or "(the model)"
+                    pending += [(f"{name}.{n}" if name else n, c) for n, c in reversed(m._modules.items())
+                                if c is not None]
         return self._names
 
 
@@ -223,9 +234,9 @@ def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool,
                 names: dict[nn.Module, str]) -> str | None:
     """What differs between two micro-batches' pieces of a BatchNorm call, or None if they are pieces of one call."""
     if call is None:
-        return "had ended its forward"
+        return None if first is None else "had ended its forward"
     if first is None:
-        return "made a BatchNorm call"
+        return f"made one ({describe(call, names)})"
     x, x0 = call.input, first.input
     checks = [
         ("its input's shape past the batch dimension", tuple(x.shape[1:]), tuple(x0.shape[1:])),

@@ -1,20 +1,27 @@
 """torch's per-thread state, taken and put back as the micro-batches take turns on one OS thread.
 
 torch keeps grad mode, autocast, saved-tensor hooks, torch-function and dispatch modes, and the CUDA
-device and stream per OS thread. The layerwise schedule runs the K micro-batches' forwards as
-coroutines on the caller's thread, each paused at a BatchNorm call while the others catch up: what
-one of them has entered (a `no_grad`, an `autocast`, a checkpointed region's hooks) must neither leak
-into the others nor into the step. `ThreadState.capture()` takes all of it and `apply()` puts it
-back, changing only what differs. Anything else the dispatcher keeps per thread must be as the step
-found it: `apply` verifies that, and refuses rather than run on in a state it cannot restore.
+device and stream per OS thread, as asyncio keeps its running loop. The layerwise schedule runs the K
+micro-batches' forwards as coroutines on the caller's thread, each paused at a BatchNorm call while the
+others catch up: what one of them has entered (a `no_grad`, an `autocast`, a checkpointed region's
+hooks, an `asyncio.run`) must neither leak into the others nor into the step. Nor must the
+process-wide flags a forward enters and leaves (`detect_anomaly`, `torch.backends.*.flags`, the
+default dtype: `flags`), kept with the modes.
+`ThreadState.capture()` takes all of it and `apply()` puts it back, changing only what differs.
+Anything else the dispatcher keeps per thread must be as the step found it: `apply` verifies that, and
+refuses rather than run on in a state it cannot restore.
 """
 from __future__ import annotations
 
+from asyncio.events import _get_running_loop as _running_loop
+from asyncio.events import _set_running_loop
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
+
+from .flags import flags, set_flags
 
 __all__ = ["ThreadState", "Modes", "autocast_cache_off"]
 
@@ -22,7 +29,9 @@ _C = torch._C
 
 
 class Modes(NamedTuple):
-    """The modes a forward runs in: grad mode, forward-AD mode and autocast (device, enabled, dtype).
+    """The modes a forward runs in: grad mode, forward-AD mode, autocast (device, enabled, dtype), autograd's
+    per-thread switches, and the process-wide flags it may enter and leave like them (`flags`: anomaly mode,
+    the default dtype, ...).
 
     NamedTuples rather than dataclasses: a snapshot is taken at every switch, and tuples are built and compared
     in C.
@@ -32,13 +41,16 @@ class Modes(NamedTuple):
     fwd_grad: bool
     autocast: tuple[tuple[str, bool, torch.dtype], ...]
     autocast_cache: bool
+    autograd: tuple[bool, bool]  # autograd's multithreading and view replay (`torch.autograd.graph`'s contexts)
+    flags: tuple[Any, ...]
 
     @classmethod
     def current(cls) -> Modes:
         return cls(_C.is_grad_enabled(), _C._is_fwd_grad_enabled(),
                    (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
                     ("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))),
-                   torch.is_autocast_cache_enabled())
+                   torch.is_autocast_cache_enabled(), (_C._is_multithreading_enabled(), _C._is_view_replay_enabled()),
+                   flags())
 
     def apply(self, current: Modes) -> None:
         if self.grad != current.grad:
@@ -51,6 +63,11 @@ class Modes(NamedTuple):
                 torch.set_autocast_dtype(device, dtype)
         if self.autocast_cache != current.autocast_cache:
             torch.set_autocast_cache_enabled(self.autocast_cache)
+        if self.autograd != current.autograd:
+            _C._set_multithreading_enabled(self.autograd[0])
+            _C._set_view_replay_enabled(self.autograd[1])
+        if self.flags != current.flags:
+            set_flags(self.flags, current.flags)
 
     def entered(self) -> AbstractContextManager[None]:
         """Run the block in these modes, then go back to the ones before."""
@@ -81,6 +98,7 @@ class ThreadState(NamedTuple):
     hooks_disabled: str | None  # the error message of disable_saved_tensors_hooks, None when enabled
     cuda: tuple[int, Any] | None  # current device and stream, once CUDA is initialized
     keys: tuple[int, int]  # the dispatcher's thread-local included and excluded keys, as raw bits
+    event_loop: Any  # asyncio's running loop, also kept per thread: a forward may run inside asyncio.run
 
     @classmethod
     def capture(cls, modes: Modes | None = None) -> ThreadState:
@@ -100,6 +118,7 @@ class ThreadState(NamedTuple):
             else _C._autograd._saved_tensors_hooks_get_disabled_error_message(),
             cuda,
             _keys(),
+            _running_loop(),
         )
 
     def apply(self, current: ThreadState) -> None:
@@ -144,6 +163,8 @@ class ThreadState(NamedTuple):
         if self.cuda is not None and self.cuda != current.cuda:
             torch.cuda.set_device(self.cuda[0])
             torch.cuda.set_stream(self.cuda[1])
+        if self.event_loop is not current.event_loop:
+            _set_running_loop(self.event_loop)
         if _keys() != self.keys:
             raise RuntimeError(
                 "accumnorm cannot switch between micro-batches here: torch's dispatcher state of this thread differs "

@@ -1,15 +1,18 @@
 """A step as a transaction: whatever ends it early, the model's gradients and buffers are as they were.
 
 The step writes its gradients to fresh `.grad` tensors, the caller's set aside; buffers (running
-statistics, counters) are copied before it starts. `commit` adds the caller's gradients back, out of
-place, so that until `backward` returns the old ones are intact and `rollback` can still restore them,
-even when an interrupt arrives in the middle of the merge. A lazy module (torch's `Lazy*` layers,
-accumnorm's norms built without a channel count) that the step's first forward materialized is made
-lazy again.
+statistics, counters) are copied before it starts. Leaves outside the model that the losses reach (an
+input that requires grad, a temperature held outside the model) are found in the graph before each of
+the step's backwards (`backward`) and join the transaction there, their gradients set aside the same
+way. `commit` adds the caller's gradients back, out of place, so that until `backward` returns the old
+ones are intact and `rollback` can still restore them, even when an interrupt arrives in the middle of
+the merge. A lazy module (torch's `Lazy*` layers, accumnorm's norms built without a channel count) that
+the step's first forward materialized is made lazy again.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -26,6 +29,8 @@ class Transaction:
         self.modules = list(model.modules())  # every module, once: what the step walks over
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grads: list[Tensor | None] = [p.grad for p in self.params]
+        self.leaves: list[tuple[Tensor, Tensor | None]] = []  # leaves outside the model, with their .grad before
+        self._known = {id(p) for p in self.params}
         # (module, name, the buffer object, a copy of its values): a forward may change a buffer in place or
         # replace it by another tensor; both are undone.
         self.buffers = [(m, name, b, b.clone()) for m in self.modules for name, b in m._buffers.items()
@@ -44,16 +49,34 @@ class Transaction:
         """Set the caller's gradients aside: the step accumulates into fresh ones."""
         for p in self.params:
             p.grad = None
+        for leaf, _ in self.leaves:
+            leaf.grad = None
+
+    def backward(self, tensors: Tensor | Sequence[Tensor], grad_tensors: Sequence[Tensor] | None = None,
+                 inputs: Sequence[Tensor] | None = None) -> None:
+        """`torch.autograd.backward`, every leaf it will write a gradient to made part of the transaction first
+        (given `inputs`, the step's own tensors, only those get one)."""
+        roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        if inputs is None:
+            self._take(_leaves(roots))
+        torch.autograd.backward(roots, grad_tensors, inputs=inputs)
+
+    def _take(self, leaves: Sequence[Tensor]) -> None:
+        for leaf in leaves:
+            if leaf.is_leaf and id(leaf) not in self._known:
+                self._known.add(id(leaf))
+                self.leaves.append((leaf, leaf.grad))
+                leaf.grad = None
 
     def commit(self) -> None:
         """Add the caller's gradients to the step's, each as a new tensor (the old ones stay intact)."""
-        for p, old in zip(self.params, self.grads):
+        for p, old in (*zip(self.params, self.grads), *self.leaves):
             if old is not None:
                 p.grad = old if p.grad is None else old + p.grad
 
     def rollback(self) -> None:
         """The gradients and buffers as they were before the step."""
-        for p, old in zip(self.params, self.grads):
+        for p, old in (*zip(self.params, self.grads), *self.leaves):
             p.grad = old
         self.restore_buffers()
         for lazy in self.lazy:
@@ -65,6 +88,23 @@ class Transaction:
             for m, name, b, saved in self.buffers:
                 m._buffers[name] = b
                 b.copy_(saved)
+
+
+def _leaves(roots: Sequence[Tensor]) -> list[Tensor]:
+    """The leaves (tensors autograd accumulates a gradient into) that a backward from `roots` reaches."""
+    found = [t for t in roots if t.grad_fn is None and t.requires_grad]
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        for node, _ in stack.pop().next_functions:
+            if node is not None and node not in seen:
+                seen.add(node)
+                leaf = getattr(node, "variable", None)
+                if leaf is None:
+                    stack.append(node)
+                else:
+                    found.append(leaf)
+    return found
 
 
 class _Lazy:
