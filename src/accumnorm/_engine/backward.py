@@ -118,8 +118,8 @@ def backward(
     micro_batches, sizes = split(batch, micro_batch_size)
     collectives = Collectives(process_group)
     if batch_loss_fn is not None:
-        objective = BatchLoss(forward_fn, batch_loss_fn, targets, grad_scaler)
-        objective.check_targets(sum(sizes))
+        objective = BatchLoss(forward_fn, batch_loss_fn, targets, grad_scaler, sizes)
+        objective.check_targets()
     else:
         total = sum(sizes)
         if process_group is not None:  # every sample of the global batch weighs the same

@@ -75,6 +75,8 @@ class _Lockstep:
                 if None in calls:
                     step.check_same(calls, index)  # raises: not all at a BatchNorm call
                 outputs, recompute = step.meet(calls, index)
+                if len(outputs) > 1 and outputs[0].grad_fn is not None:  # the K rows' node, shared
+                    outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(calls[0], index, self._running))
                 index += 1
                 ends = [self._resume(k, (y, recompute)) for k, y in zip(k_all, outputs)]
         except BaseException:
@@ -97,6 +99,9 @@ class _Lockstep:
             else:
                 roots.append(weighted)
         return roots
+
+    def _running(self) -> int | None:
+        return self.current
 
     def _forward(self, k: int) -> Any:
         """The body of micro-batch k's coroutine: its forward (which pauses at each BatchNorm call).

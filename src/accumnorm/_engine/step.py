@@ -131,6 +131,24 @@ class Step:
                     f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made "
                     f"{self.describe(first) if first is not None else 'none'}")
 
+    def inner_backward_refusal(self, call: BNCall, index: int,
+                               running: Callable[[], int | None]) -> Callable[[Any], None]:
+        """A prehook for the backward node of BatchNorm call `index`'s output that refuses a backward through it while
+        a micro-batch's forward runs (`running()`: that micro-batch, or None): that backward would need every
+        micro-batch's gradient at the call's output, and has only the one micro-batch's."""
+        def refuse(grad_outputs: Any) -> None:
+            k = running()
+            if k is not None:
+                raise ValueError(
+                    f"bn='exact': micro-batch {k} ran a backward (a .backward() or torch.autograd.grad in your "
+                    f"function) through BatchNorm call {index} ({self.describe(call)}) while the micro-batches' "
+                    "forwards were still running. That call's backward is the whole batch's, and needs every "
+                    "micro-batch's gradient at its output, which no micro-batch has alone: there is no whole-batch "
+                    "meaning to give it. Nothing was changed. For a loss of the whole batch's outputs use forward_fn "
+                    "and batch_loss_fn; else leave the inner backward out (or, for a gradient penalty through "
+                    "BatchNorm, pass bn='micro')")
+        return refuse
+
     def check_count(self, rows: int, shape: Sequence[int]) -> None:
         """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch of `rows`
         samples, each of `shape` past the batch dimension, as checked by `check_same`)."""

@@ -1,0 +1,220 @@
+"""What a step asks of the user's functions, held under every exact schedule: each case is exact against whole-batch
+PyTorch, or refused with a clear error before anything changes.
+
+- Cases the passes schedule ("auto" falls back to it) used to get wrong or fail on with torch's own errors: a
+  batch norm with a bias and no weight, full backward hooks, a loss_fn that differentiates, enables grad, hooks
+  tensors or calls a custom Function, an empty piece of a batch-norm input, a forward under no_grad.
+- The whole-batch loss's contract: one row per sample in every output tensor, and outputs that reach the model.
+- A backward inside loss_fn through a BatchNorm call the micro-batches meet at, which has no whole-batch meaning.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import accumnorm
+from helpers import (
+    EXACT_SCHEDULES,
+    assert_ranks_ended_well,
+    assert_unchanged,
+    ce_loss,
+    compare,
+    launch_ranks,
+    rel_err,
+    snapshot,
+    whole_batch,
+)
+from models import AffineHalves, affine_batch, affine_net
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")]
+
+DT = torch.float64
+
+
+class Net(nn.Module):
+    """Linear-BN-Tanh twice, then a linear head; `features` is everything below the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(),
+                                      nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def batch(n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(n, 6, generator=g, dtype=DT), torch.tensor([0, 1, 2, 3] * (n // 4))
+
+
+def exact_or_refused(model: nn.Module, loss_fn: Callable, schedule: str, refusal: str | None, micro: int = 2,
+                     data=None, tol: float = 1e-9) -> None:
+    """accumnorm.backward on a copy of `model` against whole-batch torch on another: the loss, every gradient and
+    buffer within `tol`; or, with `refusal`, a ValueError/TypeError matching it and nothing changed."""
+    data = batch() if data is None else data
+    ours = copy.deepcopy(model)
+    if refusal is not None:
+        snap, rng = snapshot(ours), torch.get_rng_state()
+        with pytest.raises((ValueError, TypeError), match=refusal):
+            accumnorm.backward(ours, data, loss_fn, micro_batch_size=micro, schedule=schedule)
+        assert_unchanged(ours, snap)
+        assert torch.equal(torch.get_rng_state(), rng)
+        return
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, data, loss_fn)
+    loss = accumnorm.backward(ours, data, loss_fn, micro_batch_size=micro, schedule=schedule)
+    assert rel_err(loss, expected) <= tol
+    compare(ref, ours, tol)
+
+
+# ---------------------------------------------------------------- class 3: what passes used to get wrong
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.save_for_backward(a)
+        return a * a
+
+    @staticmethod
+    def backward(ctx, g):
+        (a,) = ctx.saved_tensors
+        return 2 * a * g
+
+
+def input_gradient_above_the_batch_norms(m, b):
+    """A penalty on the gradient at the head's input: a backward inside loss_fn that meets no BatchNorm call."""
+    h = m.features(b[0])
+    out = m.head(h)
+    (g,) = torch.autograd.grad(out.pow(2).sum(), h, create_graph=True)
+    return F.cross_entropy(out, b[1]) + 0.1 * g.pow(2).sum(1).mean()
+
+
+def enables_grad(m, b):
+    with torch.enable_grad():
+        return ce_loss(m, b)
+
+
+def hooks_its_output(m, b):
+    out = m(b[0])
+    out.register_hook(lambda g: 2 * g)
+    return F.cross_entropy(out, b[1])
+
+
+def hooks_its_features(m, b):
+    h = m.features[:2](b[0])
+    h.register_hook(lambda g: g * torch.linspace(0.5, 1.5, g.shape[1], dtype=g.dtype))
+    return F.cross_entropy(m.head(m.features[2:](h)), b[1])
+
+
+def custom_function_on_the_output(m, b):
+    return F.cross_entropy(Square.apply(m(b[0])), b[1])
+
+
+def custom_function_between_batch_norms(m, b):
+    h = Square.apply(m.features[:3](b[0]))
+    return F.cross_entropy(m.head(m.features[3:](h)), b[1])
+
+
+def selected(m, b):
+    """The loss of the samples of class 3, normalized by the micro-batch's size: micro-batches of 2 of the batch
+    [0, 1, 2, 3, ...] hold none in every other one, whose batch-norm pieces are empty."""
+    x, y = b
+    keep = y == 3
+    out = m.head(m.features(x[keep]))
+    return out.pow(2).sum() / len(y)
+
+
+def frozen_features_under_no_grad(m, b):
+    """The features in training mode but under no_grad (a frozen backbone whose statistics still move)."""
+    with torch.no_grad():
+        h = m.features(b[0])
+    return F.cross_entropy(m.head(h), b[1])
+
+
+def teacher_under_no_grad(m, b):
+    with torch.no_grad():
+        target = m(b[0].flip(-1)).softmax(-1)
+    return F.cross_entropy(m(b[0]), target)
+
+
+def _scaled_grad_input(module, grad_input, grad_output):
+    return tuple(None if g is None else 0.5 * g for g in grad_input)
+
+
+def with_hook(where: str, pre: bool = False) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = Net().to(DT)
+        m = model.get_submodule(where) if where else model
+        if pre:
+            m.register_full_backward_pre_hook(lambda mod, go: (go[0] * 0.5,))
+        else:
+            m.register_full_backward_hook(_scaled_grad_input)
+        return model
+    return build
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return Net().to(DT)
+
+
+PASSES_CASES = {  # name: (model, loss_fn, micro-batch size, refusal or None)
+    "bias without weight, weight without bias": (affine_net, ce_loss, 2, None),
+    "full backward hook on the first BatchNorm": (with_hook("features.1"), ce_loss, 2, None),
+    "full backward hook on the second BatchNorm": (with_hook("features.4"), ce_loss, 2, None),
+    "full backward hook on the module making the calls": (with_hook("features"), ce_loss, 2, None),
+    "full backward hook on the model": (with_hook(""), ce_loss, 2, None),
+    "full backward hook on a layer below": (with_hook("features.0"), ce_loss, 2, None),
+    "full backward pre-hook on a BatchNorm": (with_hook("features.1", pre=True), ce_loss, 2, None),
+    "loss_fn differentiates inside": (net, input_gradient_above_the_batch_norms, 2, None),
+    "loss_fn enables grad": (net, enables_grad, 2, None),
+    "loss_fn hooks its output": (net, hooks_its_output, 2, None),
+    "loss_fn hooks an inner tensor": (net, hooks_its_features, 2, None),
+    "custom Function on the output": (net, custom_function_on_the_output, 2, None),
+    "custom Function between BatchNorms": (net, custom_function_between_batch_norms, 2, None),
+    "empty masked piece": (net, selected, 2, None),
+    "frozen features under no_grad": (net, frozen_features_under_no_grad, 2, None),
+    "frozen features under no_grad, one micro-batch": (net, frozen_features_under_no_grad, 8, None),
+    "a teacher forward under no_grad": (net, teacher_under_no_grad, 2, None),
+    "a teacher forward under no_grad, one micro-batch": (net, teacher_under_no_grad, 8, None),
+}
+
+
+@pytest.mark.parametrize("case", PASSES_CASES)
+def test_what_passes_used_to_miss_is_exact(schedule, case):
+    build, loss_fn, micro, refusal = PASSES_CASES[case]
+    exact_or_refused(build(), loss_fn, schedule, refusal, micro, data=affine_batch() if build is affine_net else None)
+
+
+def test_a_global_full_backward_hook_is_exact(schedule):
+    handle = nn.modules.module.register_module_full_backward_hook(_scaled_grad_input)
+    try:
+        exact_or_refused(net(), ce_loss, schedule, None)
+    finally:
+        handle.remove()
+
+
+def test_a_bias_without_a_weight_across_ranks(tmp_path):
+    """tests/programs/affine_ranks.py: two gloo ranks, each with half the batch, under each exact schedule, give
+    `AffineHalves` the whole batch's loss and gradients (the bias without a weight among them)."""
+    program = Path(__file__).parent / "programs" / "affine_ranks.py"
+    assert_ranks_ended_well(launch_ranks([str(program), str(tmp_path)], tmp_path))
+    ref = affine_net()
+    expected = whole_batch(ref, affine_batch())
+    for schedule in EXACT_SCHEDULES:
+        for rank in range(2):
+            got = torch.load(tmp_path / f"{schedule}-{rank}.pt")
+            assert rel_err(got["loss"], expected) < 1e-12
+            model = AffineHalves().to(DT)
+            for p, g in zip(model.parameters(), got["grads"].values()):
+                p.grad = g
+            compare(ref, model, 1e-9)
