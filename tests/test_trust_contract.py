@@ -218,3 +218,186 @@ def test_a_bias_without_a_weight_across_ranks(tmp_path):
             for p, g in zip(model.parameters(), got["grads"].values()):
                 p.grad = g
             compare(ref, model, 1e-9)
+
+
+# ---------------------------------------------------------------- class 4: the whole-batch loss's contract
+class GroupNormNet(nn.Module):
+    """No batch statistics: under "auto" its whole-batch loss runs one micro-batch at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(6, 8), nn.GroupNorm(2, 8), nn.Tanh())
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def ce_of(out, targets):
+    return F.cross_entropy(out, targets)
+
+
+def one_view_each(m, b):
+    return m(b[0])
+
+
+def two_views(m, b):
+    return torch.cat([m(b[0]), m(b[0].flip(-1))])
+
+
+def two_views_stacked(m, b):
+    return torch.stack([m(b[0]), m(b[0].flip(-1))], 1)
+
+
+def pair_loss(out, targets):
+    return F.cross_entropy(out[:, 0], targets) + F.cross_entropy(out[:, 1], targets)
+
+
+BATCH_LOSS_CASES = {  # name: (forward_fn, batch_loss_fn, refusal or None)
+    "one row per sample": (one_view_each, ce_of, None),
+    "two views stacked along dim 1": (two_views_stacked, pair_loss, None),
+    "one of two outputs detached": (lambda m, b: (m(b[0]), m(b[0].flip(-1)).detach()),
+                                    lambda out, t: ce_of(out[0], t) + out[1].pow(2).mean(), None),
+    "two rows per sample": (two_views, lambda out, t: ce_of(out, t.repeat(2)),
+                            r"output has 4 rows \(shape \(4, 10\)\) for micro-batch 0 of 2 samples.*one row per"),
+    "a statistic of the micro-batch": (lambda m, b: (m(b[0]), m(b[0]).mean(0, keepdim=True)),
+                                       lambda out, t: ce_of(out[0], t) + out[1].pow(2).mean(),
+                                       r"output \[1\] has 1 rows.*micro-batch 0 of 2 samples"),
+    "every other row": (lambda m, b: m(b[0])[::2], lambda out, t: ce_of(out, t[::2]),
+                        r"output has 1 rows.*micro-batch 0 of 2 samples"),
+    "transposed": (lambda m, b: m(b[0]).T, lambda out, t: out.pow(2).mean(), r"output has 10 rows.*of 2 samples"),
+    "a dict field of two rows per sample": (lambda m, b: {"logits": m(b[0]), "both": two_views(m, b)},
+                                            lambda out, t: ce_of(out["logits"], t) + out["both"].pow(2).mean(),
+                                            r"output \['both'\] has 4 rows"),
+    "a list of per-sample items": (lambda m, b: [row.repeat(i + 2, 1) for i, row in enumerate(m(b[0]))],
+                                   lambda out, t: sum(o.pow(2).mean() for o in out), r"output \[1\] has 3 rows"),
+    "detached output": (lambda m, b: m(b[0]).detach(), ce_of, r"batch_loss_fn's loss does not require grad"),
+    "output under no_grad": (lambda m, b: torch.no_grad()(m)(b[0]), ce_of, r"batch_loss_fn's loss does not requ"),
+    "output's .data": (lambda m, b: m(b[0]).data, ce_of, r"batch_loss_fn's loss does not require grad"),
+    "every output detached": (lambda m, b: (m(b[0]).detach(), m(b[0].flip(-1)).detach()),
+                              lambda out, t: ce_of(out[0], t) + ce_of(out[1], t), r"loss does not require grad"),
+}
+
+
+def batch_loss_exact_or_refused(model: nn.Module, case: str, **kwargs) -> None:
+    """accumnorm.backward with the case's forward_fn and batch_loss_fn against whole-batch torch (forward_fn over the
+    whole batch, batch_loss_fn of that); or refused, with nothing changed."""
+    forward_fn, batch_loss_fn, refusal = BATCH_LOSS_CASES[case]
+    (x, y), ours = batch(), copy.deepcopy(model)
+    run = dict(micro_batch_size=2, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn, targets=y, **kwargs)
+    if refusal is not None:
+        snap, rng = snapshot(ours), torch.get_rng_state()
+        with pytest.raises(ValueError, match=refusal):
+            accumnorm.backward(ours, (x,), **run)
+        assert_unchanged(ours, snap)
+        assert torch.equal(torch.get_rng_state(), rng)
+        return
+    ref = copy.deepcopy(model)
+    expected = batch_loss_fn(forward_fn(ref, (x,)), y)
+    expected.backward()
+    loss = accumnorm.backward(ours, (x,), **run)
+    assert rel_err(loss, expected) <= 1e-9
+    compare(ref, ours, 1e-9)
+
+
+@pytest.mark.parametrize("norm", ["batch", "group"])
+@pytest.mark.parametrize("case", BATCH_LOSS_CASES)
+def test_the_whole_batch_loss_contract(schedule, case, norm):
+    batch_loss_exact_or_refused(net() if norm == "batch" else GroupNormNet().to(DT), case, schedule=schedule)
+
+
+@pytest.mark.parametrize("case", [c for c, (_, _, refusal) in BATCH_LOSS_CASES.items() if refusal is not None])
+def test_the_whole_batch_loss_contract_one_micro_batch_at_a_time(case):
+    """The same refusals where the micro-batches run one at a time: "auto" without batch statistics (exact)."""
+    torch.manual_seed(0)
+    batch_loss_exact_or_refused(GroupNormNet().to(DT), case, schedule="auto")
+
+
+# ---------------------------------------------------------------- class 5: a backward inside loss_fn through a met call
+def aux_backward(m, b):
+    out = m(b[0])
+    out.pow(2).mean().backward(retain_graph=True)
+    return F.cross_entropy(out, b[1])
+
+
+def gradient_penalty(m, b):
+    x = b[0].clone().requires_grad_()
+    out = m(x)
+    (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return F.cross_entropy(out, b[1]) + g.pow(2).sum(1).mean()
+
+
+def saliency(m, b):
+    """A gradient read without a graph, to weigh the samples."""
+    x = b[0].clone().requires_grad_()
+    out = m(x)
+    (g,) = torch.autograd.grad(out.logsumexp(1).sum(), x, retain_graph=True)
+    weights = g.norm(dim=1) / g.norm(dim=1).sum()
+    return (F.cross_entropy(out, b[1], reduction="none") * weights.detach()).sum()
+
+
+def backward_below_the_second_batch_norm(m, b):
+    h = m.features[:3](b[0])
+    h.pow(2).mean().backward(retain_graph=True)
+    return F.cross_entropy(m.head(m.features[3:](h)), b[1])
+
+
+def backward_into_chosen_inputs(m, b):
+    out = m(b[0])
+    torch.autograd.backward(out.pow(2).mean(), inputs=[m.features[0].weight], retain_graph=True)
+    return F.cross_entropy(out, b[1])
+
+
+def grad_of_the_features(m, b):
+    h = m.features(b[0])
+    (g,) = torch.autograd.grad(h.sum(), m.features[0].weight, create_graph=True)
+    return F.cross_entropy(m.head(h), b[1]) + g.pow(2).sum()
+
+
+def backward_in_a_forward_hook(m, b):
+    handle = m.head.register_forward_hook(lambda mod, i, o: o.pow(2).mean().backward(retain_graph=True))
+    try:
+        return ce_loss(m, b)
+    finally:
+        handle.remove()
+
+
+INNER_BACKWARDS = {
+    "aux.backward(retain_graph=True)": aux_backward,
+    "gradient penalty, create_graph": gradient_penalty,
+    "autograd.grad without a graph": saliency,
+    "backward from between the BatchNorms": backward_below_the_second_batch_norm,
+    "autograd.backward into chosen inputs": backward_into_chosen_inputs,
+    "autograd.grad into a parameter below": grad_of_the_features,
+    "backward in a forward hook": backward_in_a_forward_hook,
+}
+INNER_REFUSAL = (r"micro-batch 0 ran a backward .* through BatchNorm call \d \(BatchNorm1d features\.\d over 8 "
+                 r"channels\) while the micro-batches' forwards were still running.*Nothing was changed.*forward_fn "
+                 r"and batch_loss_fn")
+
+
+@pytest.mark.parametrize("case", INNER_BACKWARDS)
+def test_a_backward_inside_loss_fn_through_a_met_call_is_refused(schedule, case):
+    exact_or_refused(net(), INNER_BACKWARDS[case], schedule, INNER_REFUSAL)
+
+
+def inner_backward_above_the_batch_norms(m, b):
+    out = m(b[0])
+    m.head.weight.pow(2).sum().backward()  # a weight decay of the head's, added once per call of loss_fn
+    return F.cross_entropy(out, b[1])
+
+
+@pytest.mark.parametrize("case", [*INNER_BACKWARDS, "above the BatchNorms"])
+def test_a_backward_inside_loss_fn_with_one_micro_batch(schedule, case):
+    """With one micro-batch, loss_fn runs once, on the whole batch: layerwise is exact; passes, which runs the forward
+    several times, refuses."""
+    loss_fn = INNER_BACKWARDS.get(case, inner_backward_above_the_batch_norms)
+    refusal = None if schedule == "layerwise" else r"ran a backward|a backward inside your function"
+    exact_or_refused(net(), loss_fn, schedule, refusal, micro=8)
+
+
+def test_a_backward_inside_loss_fn_that_reaches_no_met_call_is_refused(schedule):
+    """It changes .grad once per micro-batch (and pass), where the whole batch's loss_fn would once."""
+    exact_or_refused(net(), inner_backward_above_the_batch_norms, schedule,
+                     r"a backward inside your function .* changed the \.grad of the parameter head\.weight during the "
+                     r"micro-batches' forwards.*Nothing was changed.*Add that term to the loss")

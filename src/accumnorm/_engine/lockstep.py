@@ -63,6 +63,7 @@ class _Lockstep:
         """Run the K forwards in lockstep to their ends; the (weighted) losses still to back-propagate."""
         step, k_all = self.step, range(len(self.step.micro_batches))
         self.base = ThreadState.capture()
+        grads_before = step.grad_versions() if len(k_all) > 1 else None
         context = contextvars.copy_context()
         self.coroutines = [greenlet.greenlet(self._forward) for _ in k_all]
         for g in self.coroutines:
@@ -84,6 +85,8 @@ class _Lockstep:
             raise
         finally:
             self.coroutines = []
+        if grads_before is not None:
+            step.refuse_grads_changed(grads_before, "each micro-batch's forward once")
         if step.objective.whole:  # one loss over every micro-batch's outputs
             loss, scaled = step.objective.loss(concatenate(ends))
             step.whole_loss = loss.detach()

@@ -73,14 +73,14 @@ class _Passes:
         self.instance_norms = 0  # InstanceNorm calls seen so far in its current forward
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
-        self.grads_before = _grad_versions(step.model)  # the parameters' .grad before the full pass
+        self.grads_before = step.grad_versions()  # the parameters' .grad before the full pass
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off():
             self._statistics()
             if self.step.objective.whole:
                 self._output_gradients()
-            self.grads_before = _grad_versions(self.step.model)
+            self.grads_before = self.step.grad_versions()
             # The bottom half gets correction passes; with a module's full backward hook in the model, none does: such
             # a hook sees no gradient that enters the module's input without leaving its output, as a correction does.
             t = 0 if _has_backward_hooks(self.step.model) else len(self.calls) // 2
@@ -173,7 +173,7 @@ class _Passes:
             self.mode, self.target = self.STATS, j
             for k in self._each():
                 if self._forward(k) is not _STOPPED:  # micro-batch 0 never reached call j: there are j
-                    self._refuse_accumulated_grads()
+                    self.step.refuse_grads_changed(self.grads_before, "each micro-batch's forward once per pass")
                     return
             call = self.calls[j]
             self.step.check_count(call.rows, call.first.input.shape)
@@ -196,17 +196,6 @@ class _Passes:
         else:
             torch.autograd.backward(self.step.objective.weighted(result, k), inputs=inputs)
 
-    def _refuse_accumulated_grads(self) -> None:
-        """Until the full pass only the step's own backwards run, and they leave the parameters' .grad alone: one
-        that changed came from a backward inside loss_fn, which every pass that completes a forward would repeat."""
-        for (name, p), before in zip(self.step.model.named_parameters(), self.grads_before):
-            if _grad_version(p) != before:
-                raise ValueError(
-                    f"schedule='passes' runs each micro-batch's forward several times, and a backward inside it "
-                    f"(a .backward() in your function) changed the .grad of the parameter {name}: it would count once "
-                    f"per pass. Nothing was changed. Return that term as part of the loss instead, or use "
-                    f"schedule='layerwise'")
-
     def _finish_sums(self, call: _Call) -> None:
         """Call's sums are complete on this rank: reduce them across ranks and switch it to exact backward."""
         sums = call.sums
@@ -223,7 +212,7 @@ class _Passes:
             if call.input.requires_grad:
                 self._backward_from(k, result, inputs=[call.input])
         call.input = None
-        self._refuse_accumulated_grads()
+        self.step.refuse_grads_changed(self.grads_before, "each micro-batch's forward once per pass")
         self._finish_sums(call)
 
     def _full_pass(self, t: int) -> None:
@@ -253,14 +242,6 @@ class _Passes:
 def _has_backward_hooks(model: torch.nn.Module) -> bool:
     """Whether a full backward hook (one that sees grad_input) may run on a module of the model."""
     return bool(torch.nn.modules.module._global_backward_hooks) or any(m._backward_hooks for m in model.modules())
-
-
-def _grad_version(p: Tensor) -> tuple[int, int] | None:
-    return None if p.grad is None else (id(p.grad), p.grad._version)
-
-
-def _grad_versions(model: torch.nn.Module) -> list[tuple[int, int] | None]:
-    return [_grad_version(p) for p in model.parameters()]
 
 
 def passes(step: Step) -> None:

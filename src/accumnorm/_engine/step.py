@@ -149,6 +149,22 @@ class Step:
                     "BatchNorm, pass bn='micro')")
         return refuse
 
+    def grad_versions(self) -> list[tuple[int, int] | None]:
+        """Each parameter's .grad as it is now, for `refuse_grads_changed`."""
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self.model.parameters()]
+
+    def refuse_grads_changed(self, before: list[tuple[int, int] | None], runs: str) -> None:
+        """Raise if a parameter's .grad changed since `before`, while only the micro-batches' forwards ran: a backward
+        inside the user's function, which the step `runs` ("each micro-batch's forward once") where the whole batch
+        would run it once."""
+        for (name, p), was in zip(self.model.named_parameters(), before):
+            if (None if p.grad is None else (id(p.grad), p.grad._version)) != was:
+                raise ValueError(
+                    f"bn='exact': a backward inside your function (a .backward() there) changed the .grad of the "
+                    f"parameter {name} during the micro-batches' forwards. The step runs {runs}, where the whole "
+                    "batch runs your function once, so that gradient would count several times over. Nothing was "
+                    "changed. Add that term to the loss you return instead")
+
     def check_count(self, rows: int, shape: Sequence[int]) -> None:
         """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch of `rows`
         samples, each of `shape` past the batch dimension, as checked by `check_same`)."""
