@@ -149,13 +149,15 @@ def _scaled_grad_input(module, grad_input, grad_output):
     return tuple(None if g is None else 0.5 * g for g in grad_input)
 
 
-def with_hook(where: str, pre: bool = False) -> Callable[[], nn.Module]:
+def with_hook(where: str, kind: str = "full") -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         torch.manual_seed(0)
         model = Net().to(DT)
         m = model.get_submodule(where) if where else model
-        if pre:
+        if kind == "pre":
             m.register_full_backward_pre_hook(lambda mod, go: (go[0] * 0.5,))
+        elif kind == "legacy":
+            m.register_backward_hook(_scaled_grad_input)
         else:
             m.register_full_backward_hook(_scaled_grad_input)
         return model
@@ -174,7 +176,11 @@ PASSES_CASES = {  # name: (model, loss_fn, micro-batch size, refusal or None)
     "full backward hook on the module making the calls": (with_hook("features"), ce_loss, 2, None),
     "full backward hook on the model": (with_hook(""), ce_loss, 2, None),
     "full backward hook on a layer below": (with_hook("features.0"), ce_loss, 2, None),
-    "full backward pre-hook on a BatchNorm": (with_hook("features.1", pre=True), ce_loss, 2, None),
+    "full backward pre-hook on a BatchNorm": (with_hook("features.1", "pre"), ce_loss, 2, None),
+    "register_backward_hook on a BatchNorm": (with_hook("features.4", "legacy"), ce_loss, 2,
+                                              r"register_backward_hook on BatchNorm1d features\.4.*Nothing was "
+                                              r"changed. Use register_full_backward_hook"),
+    "register_backward_hook on a Linear": (with_hook("features.3", "legacy"), ce_loss, 2, None),
     "loss_fn differentiates inside": (net, input_gradient_above_the_batch_norms, 2, None),
     "loss_fn enables grad": (net, enables_grad, 2, None),
     "loss_fn hooks its output": (net, hooks_its_output, 2, None),
@@ -195,12 +201,18 @@ def test_what_passes_used_to_miss_is_exact(schedule, case):
     exact_or_refused(build(), loss_fn, schedule, refusal, micro, data=affine_batch() if build is affine_net else None)
 
 
-def test_a_global_full_backward_hook_is_exact(schedule):
-    handle = nn.modules.module.register_module_full_backward_hook(_scaled_grad_input)
+@pytest.mark.parametrize("full", [True, False])
+def test_a_global_backward_hook_is_exact_or_refused(schedule, full):
+    module = nn.modules.module
+    register = module.register_module_full_backward_hook if full else module.register_module_backward_hook
+    kind_before = module._global_is_full_backward_hook  # torch keeps the kind after the last hook goes
+    handle = register(_scaled_grad_input)
     try:
-        exact_or_refused(net(), ce_loss, schedule, None)
+        exact_or_refused(net(), ce_loss, schedule, None if full else r"register_module_backward_hook on the model's "
+                         r"BatchNorm layers.*Nothing was changed. Use register_module_full_backward_hook")
     finally:
         handle.remove()
+        module._global_is_full_backward_hook = kind_before
 
 
 def test_a_bias_without_a_weight_across_ranks(tmp_path):

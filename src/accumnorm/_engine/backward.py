@@ -24,7 +24,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
 from .forwards import step_forwards
-from .guards import check_every_call_seen, has_norm_statistics, refuse_unseen_batch_norms
+from .guards import check_every_call_seen, has_norm_statistics, refuse_node_backward_hooks, refuse_unseen_batch_norms
 from .interrupts import SigintDeferred
 from .lockstep import layerwise
 from .objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
@@ -130,6 +130,7 @@ def backward(
     exact = bn == "exact"
     if exact:
         refuse_unseen_batch_norms(model, "passes" if schedule == "passes" else "layerwise")
+        refuse_node_backward_hooks(model)
     store_hooks = store_for(store_device, _device(model))
     with _STEP_LOCK:
         return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
