@@ -33,7 +33,8 @@ from helpers import (
 from models import AffineHalves, affine_batch, affine_net
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")]
+              pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
+              pytest.mark.filterwarnings("ignore:Using a non-full backward hook:FutureWarning")]
 
 DT = torch.float64
 

@@ -112,25 +112,34 @@ class _Passes:
     def _normalized(self, call: _Call, i: int, bn: BNCall) -> Tensor:
         """Call i's output in the current pass (or _Stop at the pass's target)."""
         x, w, b, eps = bn.input, bn.weight, bn.bias, bn.eps
-        if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
-            if i == self.target:
+        mean, var = (None, None) if call.stats is None else (call.stats.mean, call.stats.var)
+        if i == self.target and self.mode in (self.STATS, self.CORRECT):
+            if self.mode == self.STATS:
                 call.parts.append(moments(x.detach()))
                 call.rows += x.shape[0]
-                raise _Stop
-            return normalize_with(x, call.stats.mean, call.stats.var, w, b, eps)
-        if self.mode == self.SUMS and i == self.target:
-            # Back-propagation stops at this detached input: the pass only wants this call's sums.
-            call.input = x.detach().requires_grad_(torch.is_grad_enabled())
-            return normalize(call.input, call.stats.mean, call.stats.var, w, b, eps, call.sums)
-        if self.mode == self.CORRECT and i == self.target:
-            call.input = x
+            else:
+                call.input = x
             raise _Stop
+        if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
+            def output(x: Tensor) -> Tensor:
+                return normalize_with(x, mean, var, w, b, eps)
+        elif self.mode == self.SUMS and i == self.target:
+            grad = torch.is_grad_enabled()
 
-        def output(x: Tensor) -> Tensor:
-            return normalize(x, call.stats.mean, call.stats.var, w, b, eps, call.sums)
+            def output(x: Tensor) -> Tensor:
+                return normalize(x.detach().requires_grad_(grad), mean, var, w, b, eps, call.sums)
 
-        # Computed in the region's place: a recomputation saves the same tensors again.
-        self.step.regions.enter_forward_call(output)
+            # Back-propagation stops at this detached input: the pass only wants this call's sums.
+            call.input = x.detach().requires_grad_(grad)
+            y = normalize(call.input, mean, var, w, b, eps, call.sums)
+            self.step.regions.enter_forward_call(output)
+            return y
+        else:
+            def output(x: Tensor) -> Tensor:
+                return normalize(x, mean, var, w, b, eps, call.sums)
+
+        if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
+            self.step.regions.enter_forward_call(output)
         return output(x)
 
     def _instance_norm(self, call: INCall) -> Tensor:
