@@ -129,7 +129,7 @@ class SavedBytes:
                 if owner.count[key] == 0:
                     owner.live -= nbytes
 
-        return t, Held()
+        return t.detach(), Held()  # detached: t's grad_fn holds the node that holds this (a cycle no collector breaks)
 
     @staticmethod
     def unpack(packed) -> torch.Tensor:

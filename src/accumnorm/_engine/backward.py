@@ -72,10 +72,13 @@ def backward(
         batch: a Tensor, or a tuple/list/namedtuple/dict whose fields are Tensors (cut along dim 0) or lists of
             per-sample items (cut as lists), all of one length: cut into micro-batches of `micro_batch_size`
             (the last may be smaller; every sample weighs the same).
-        loss_fn: ``loss_fn(model, micro_batch)``, the mean loss over a micro-batch, called once per micro-batch.
+        loss_fn: ``loss_fn(model, micro_batch)``, the mean loss over a micro-batch, called once per micro-batch. A
+            backward inside it that reaches a BatchNorm call or the parameters before the step's own is refused
+            (it has no whole-batch meaning, or would count once per micro-batch).
         micro_batch_size: samples per micro-batch.
         forward_fn: ``forward_fn(model, micro_batch)``, a micro-batch's outputs: a Tensor, or tuples, lists,
-            namedtuples and dicts of them, one row per sample. Instead of `loss_fn`, with `batch_loss_fn`.
+            namedtuples and dicts of them, each tensor with one row per sample (dim 0 of the micro-batch's size,
+            checked: stack two views along dim 1). Instead of `loss_fn`, with `batch_loss_fn`.
         batch_loss_fn: ``batch_loss_fn(outputs, targets)``, the loss of the whole batch's outputs.
         targets: passed whole, never cut, to `batch_loss_fn` (boxes of a detection batch, labels). Default: None.
         bn: "exact": every batch-norm call that uses batch statistics (torch's BatchNorm layers and their

@@ -3,9 +3,10 @@
 With `forward_fn` and `batch_loss_fn`, each micro-batch's forward returns its outputs (a tensor, or any
 nesting of tuples, lists, namedtuples and dicts of tensors, one row per sample along dim 0), and the loss
 is taken once, over the whole batch's outputs: `concatenate` joins the K outputs tensor by tensor along
-dim 0. A schedule that keeps one micro-batch at a time computes the outputs first without a graph, the
-loss and its gradient at every output (`OutputGrads`), then each micro-batch's forward again and its
-backward from those gradients.
+dim 0 (`BatchLoss.forward` holds each tensor to one row per sample). A schedule that keeps one
+micro-batch at a time computes the outputs first, letting their graph go (`without_graph`), the loss and its
+gradient at every output (`OutputGrads`), then each micro-batch's forward again and its backward from those
+gradients.
 """
 from __future__ import annotations
 

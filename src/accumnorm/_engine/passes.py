@@ -18,11 +18,17 @@ sum(dy * x_hat), on every BN call above it. With L BN calls and nothing kept bet
 That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows (with a whole-batch loss, one
 more: every micro-batch's outputs, for the loss's gradient at each of them). A sums pass costs the
 part of the network above its call, a correction pass the part below, so the split `t` puts the
-bottom half under corrections. Cost grows linearly with the number of BN calls; memory stays that
-of one micro-batch. Every pass over a micro-batch replays its random numbers from the start.
+bottom half under corrections; with a module's full backward hook in the model, t = 0 (such a hook
+sees no gradient that enters the module's input without passing its output, as a correction does).
+Cost grows linearly with the number of BN calls; memory stays that of one micro-batch. Every pass over
+a micro-batch replays its random numbers from the start, and runs with grad, as the user's functions
+would run in one forward (a graph that a pass does not back-propagate goes with it). A backward inside
+a forward that reaches a BN call, or the parameters before the full pass, would count once per pass:
+refused.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -95,7 +101,8 @@ class _Passes:
     def _batch_norm(self, bn: BNCall) -> Tensor:
         i, self.index = self.index, self.index + 1
         if i == len(self.calls) and self.mode == self.STATS and i == self.target:
-            self.calls.append(_Call(bn))  # the first time a forward gets this deep: a new call
+            # The first time a forward gets this deep: a new call (its input without the graph below, which goes).
+            self.calls.append(_Call(dataclasses.replace(bn, input=bn.input.detach())))
         if i >= len(self.calls):
             raise ValueError(f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, "
                              f"but micro-batch {self.k} made BatchNorm call {i} ({self.step.describe(bn)}) where "

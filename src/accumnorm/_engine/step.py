@@ -135,13 +135,16 @@ class Step:
                                running: Callable[[], int | None]) -> Callable[[Any], None]:
         """A prehook for the backward node of BatchNorm call `index`'s output that refuses a backward through it while
         a micro-batch's forward runs (`running()`: that micro-batch, or None): that backward would need every
-        micro-batch's gradient at the call's output, and has only the one micro-batch's."""
+        micro-batch's gradient at the call's output, and has only the one micro-batch's. (It holds the call's
+        description, not the call, whose input the graph need not keep.)"""
+        what = self.describe(call)
+
         def refuse(grad_outputs: Any) -> None:
             k = running()
             if k is not None:
                 raise ValueError(
                     f"bn='exact': micro-batch {k} ran a backward (a .backward() or torch.autograd.grad in your "
-                    f"function) through BatchNorm call {index} ({self.describe(call)}) while the micro-batches' "
+                    f"function) through BatchNorm call {index} ({what}) while the micro-batches' "
                     "forwards were still running. That call's backward is the whole batch's, and needs every "
                     "micro-batch's gradient at its output, which no micro-batch has alone: there is no whole-batch "
                     "meaning to give it. Nothing was changed. For a loss of the whole batch's outputs use forward_fn "
