@@ -128,7 +128,8 @@ class _Held:
 
     def __init__(self, meter: SavedBytes, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        self.meter, self.t, self.key, self.nbytes = meter, t, storage.data_ptr(), storage.nbytes()
+        # Detached: t's grad_fn may hold the node that holds this, a cycle no collector breaks.
+        self.meter, self.t, self.key, self.nbytes = meter, t.detach(), storage.data_ptr(), storage.nbytes()
         meter._count(self.key, self.nbytes, 1)
 
     def __del__(self) -> None:

@@ -257,7 +257,9 @@ class _Held:
     """A tensor saved for backward, counted in its meter until autograd lets go of it."""
 
     def __init__(self, meter: SavedBytes, t: torch.Tensor, key: int) -> None:
-        self.meter, self.t, self.key = meter, t, key
+        # Detached: the tensor's grad_fn would hold the node that holds this, a cycle no collector breaks, keeping
+        # alive a graph that nothing back-propagates (autograd gives an unpacked tensor its place in the graph).
+        self.meter, self.t, self.key = meter, t.detach(), key
         meter._add(key, t.untyped_storage().nbytes(), 1)
 
     def __del__(self) -> None:

@@ -279,3 +279,30 @@ def ranks_batches(sizes) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def ranks_sgd(model: nn.Module) -> torch.optim.Optimizer:
     """The optimizer of `ranks_net`'s runs: SGD with momentum, a constant learning rate."""
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+class AffineHalves(nn.Module):
+    """Direct `F.batch_norm` calls, with their own statistics, of a bias without a weight and of a weight
+    without a bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin1, self.lin2, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 10)
+        self.bias = nn.Parameter(torch.randn(8))
+        self.weight = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x):
+        h = torch.tanh(F.batch_norm(self.lin1(x), None, None, None, self.bias, True))
+        return self.head(torch.tanh(F.batch_norm(self.lin2(h), None, None, self.weight, None, True)))
+
+
+def affine_net() -> nn.Module:
+    """`AffineHalves` in float64, the same every call (on every rank)."""
+    torch.manual_seed(0)
+    return AffineHalves().double()
+
+
+def affine_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of 8 for `affine_net`, the same every call."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 10, (8,), generator=g)

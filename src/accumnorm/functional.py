@@ -58,6 +58,9 @@ class Moments:
 def moments(x: Tensor) -> Moments:
     """Per-channel moments of x = (N, C, *) over every dimension but the channel one."""
     xa = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    if xa.numel() == 0:  # an empty piece of a batch (a mask that selects nothing): no values, no moments
+        zeros = xa.new_zeros(x.shape[1])
+        return Moments(zeros.new_zeros(()), zeros, zeros.clone())
     # torch's own BatchNorm statistics kernel: two passes (mean, then squared deviations: no cancellation), no
     # full-size temporary, no output written; the variance is the biased one.
     mean, var = torch.batch_norm_update_stats(xa, None, None, 0.0)

@@ -25,7 +25,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
 from .forwards import step_forwards
-from .guards import check_every_call_seen, has_norm_statistics, refuse_unseen_batch_norms
+from .guards import check_every_call_seen, has_norm_statistics, refuse_node_backward_hooks, refuse_unseen_batch_norms
 from .interrupts import SigintDeferred
 from .lazy_eps import warn_large_eps
 from .lockstep import layerwise
@@ -73,10 +73,13 @@ def backward(
         batch: a Tensor, or a tuple/list/namedtuple/dict whose fields are Tensors (cut along dim 0) or lists of
             per-sample items (cut as lists), all of one length: cut into micro-batches of `micro_batch_size`
             (the last may be smaller; every sample weighs the same).
-        loss_fn: ``loss_fn(model, micro_batch)``, the mean loss over a micro-batch, called once per micro-batch.
+        loss_fn: ``loss_fn(model, micro_batch)``, the mean loss over a micro-batch, called once per micro-batch. A
+            backward inside it that reaches a BatchNorm call or the parameters before the step's own is refused
+            (it has no whole-batch meaning, or would count once per micro-batch).
         micro_batch_size: samples per micro-batch.
         forward_fn: ``forward_fn(model, micro_batch)``, a micro-batch's outputs: a Tensor, or tuples, lists,
-            namedtuples and dicts of them, one row per sample. Instead of `loss_fn`, with `batch_loss_fn`.
+            namedtuples and dicts of them, each tensor with one row per sample (dim 0 of the micro-batch's size,
+            checked: stack two views along dim 1). Instead of `loss_fn`, with `batch_loss_fn`.
         batch_loss_fn: ``batch_loss_fn(outputs, targets)``, the loss of the whole batch's outputs.
         targets: passed whole, never cut, to `batch_loss_fn` (boxes of a detection batch, labels). Default: None.
         bn: "exact": every batch-norm call that uses batch statistics (torch's BatchNorm layers and their
@@ -128,8 +131,8 @@ def backward(
     micro_batches, sizes = split(batch, micro_batch_size)
     collectives = Collectives(process_group)
     if batch_loss_fn is not None:
-        objective = BatchLoss(forward_fn, batch_loss_fn, targets, grad_scaler)
-        objective.check_targets(sum(sizes))
+        objective = BatchLoss(forward_fn, batch_loss_fn, targets, grad_scaler, sizes)
+        objective.check_targets()
     else:
         total = sum(sizes)
         if process_group is not None:  # every sample of the global batch weighs the same
@@ -140,6 +143,7 @@ def backward(
     exact = bn == "exact"
     if exact:
         refuse_unseen_batch_norms(model, "passes" if schedule == "passes" else "layerwise")
+        refuse_node_backward_hooks(model)
     store_hooks = store_for(store_device, _device(model))
     _RUNNING.step = True
     try:

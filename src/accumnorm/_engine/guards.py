@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .step import Step
 
-__all__ = ["refuse_unseen_batch_norms", "check_every_call_seen", "has_norm_statistics"]
+__all__ = ["refuse_unseen_batch_norms", "refuse_node_backward_hooks", "check_every_call_seen", "has_norm_statistics"]
 
 
 def refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
@@ -34,6 +34,25 @@ def refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
         if reason:
             raise ValueError(f"bn='exact' cannot make {type(m).__name__} ({where}) exact under the {schedule} "
                              f"schedule: {reason}")
+
+
+def refuse_node_backward_hooks(model: nn.Module) -> None:
+    """Refuse `register_backward_hook` (the deprecated, not-full kind) on a BatchNorm layer, or process-wide: it hooks
+    the autograd node that made the layer's output, which under bn='exact' is the node handing each micro-batch its
+    rows of the whole batch's output, not the BatchNorm's."""
+    module_hooks = nn.modules.module
+    if module_hooks._global_backward_hooks and module_hooks._global_is_full_backward_hook is False:
+        if any(isinstance(m, _BatchNorm) for m in model.modules()):
+            raise ValueError("bn='exact' cannot run a module backward hook registered with "
+                             "register_module_backward_hook on the model's BatchNorm layers: it would see the "
+                             "gradient of the node that hands out each micro-batch's rows. Nothing was changed. Use "
+                             "register_module_full_backward_hook instead")
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm) and m._backward_hooks and m._is_full_backward_hook is False:
+            raise ValueError(f"bn='exact' cannot run the backward hook registered with register_backward_hook on "
+                             f"{type(m).__name__} {name or '(the model)'}: it would see the gradient of the node that "
+                             "hands out each micro-batch's rows of the whole batch's output. Nothing was changed. "
+                             "Use register_full_backward_hook instead")
 
 
 def check_every_call_seen(step: Step) -> None:

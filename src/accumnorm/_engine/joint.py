@@ -28,7 +28,7 @@ class _Join(torch.autograd.Function):
     def forward(ctx, stats, eps, reduce_sums, weight, bias, x):  # type: ignore[override]
         ctx.save_for_backward(x)
         ctx.stats, ctx.eps, ctx.reduce_sums, ctx.weight = stats, eps, reduce_sums, weight
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         mean = stats.mean
         w = mean.new_ones(mean.shape) if weight is None else weight.to(mean.dtype).view_as(weight)
         b = mean.new_zeros(mean.shape) if bias is None else bias.to(mean.dtype).view_as(bias)
@@ -43,7 +43,7 @@ class _Join(torch.autograd.Function):
         # The parameter gradients are this rank's share (the step all-reduces gradients once); the input
         # gradient needs the sums of every rank.
         grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[3] else None
-        grad_b = sum_dy.to(weight.dtype) if ctx.needs_input_grad[4] and ctx.has_bias else None
+        grad_b = sum_dy.to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[4] else None
         sum_dy_xhat, sum_dy = ctx.reduce_sums(torch.cat([sum_dy_xhat, sum_dy])).chunk(2)
         dx = None
         if ctx.needs_input_grad[5]:

@@ -62,6 +62,7 @@ class _Lockstep:
         """Run the K forwards in lockstep to their ends; the (weighted) losses still to back-propagate."""
         step, k_all = self.step, range(len(self.step.micro_batches))
         self.base = ThreadState.capture()
+        grads_before = step.grad_versions() if len(k_all) > 1 else None
         context = contextvars.copy_context()
         self.coroutines = [greenlet.greenlet(self._forward) for _ in k_all]
         for g in self.coroutines:
@@ -74,6 +75,8 @@ class _Lockstep:
                 if None in calls:
                     step.check_same(calls, index)  # raises: not all at a BatchNorm call
                 outputs, recompute = step.meet(calls, index)
+                if len(outputs) > 1 and outputs[0].grad_fn is not None:  # the K rows' node, shared
+                    outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(calls[0], index, self._running))
                 index += 1
                 ends = [self._resume(k, (y, recompute)) for k, y in zip(k_all, outputs)]
         except BaseException:
@@ -81,6 +84,8 @@ class _Lockstep:
             raise
         finally:
             self.coroutines = []
+        if grads_before is not None:
+            step.refuse_grads_changed(grads_before, "each micro-batch's forward once")
         if step.objective.whole:  # one loss over every micro-batch's outputs
             loss, scaled = step.objective.loss(concatenate(ends))
             step.whole_loss = loss.detach()
@@ -96,6 +101,9 @@ class _Lockstep:
             else:
                 roots.append(weighted)
         return roots
+
+    def _running(self) -> int | None:
+        return self.current
 
     def _forward(self, k: int) -> Any:
         """The body of micro-batch k's coroutine: its forward (which pauses at each BatchNorm call).

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 __all__ = ["LossFn", "ForwardFn", "BatchLossFn", "MicroBatchLoss", "BatchLoss"]
 
@@ -64,15 +65,32 @@ class BatchLoss:
     whole = True
 
     def __init__(self, forward_fn: ForwardFn, batch_loss_fn: BatchLossFn, targets: Any,
-                 grad_scaler: torch.amp.GradScaler | None) -> None:
+                 grad_scaler: torch.amp.GradScaler | None, sizes: list[int]) -> None:
         self.forward_fn, self.batch_loss_fn, self.targets = forward_fn, batch_loss_fn, targets
-        self.grad_scaler = grad_scaler
+        self.grad_scaler, self.sizes = grad_scaler, sizes  # sizes: samples per micro-batch
 
     def forward(self, model: nn.Module, micro_batch: Any, k: int) -> Any:
-        return self.forward_fn(model, micro_batch)
+        """Micro-batch k's outputs, each tensor of them checked to hold one row per sample.
 
-    def check_targets(self, num_samples: int) -> None:
+        The outputs are put together along dim 0, so rows of another count (two views concatenated along dim 0, a
+        statistic of the micro-batch, per-box rows) would interleave across micro-batches where the whole batch's
+        forward keeps them apart: refused, whatever batch_loss_fn would make of them.
+        """
+        outputs = self.forward_fn(model, micro_batch)
+        n = self.sizes[k]
+        for path, t in tree_flatten_with_path(outputs)[0]:
+            if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] != n:
+                raise ValueError(
+                    f"forward_fn's output {keystr(path) or 'the output'} has {t.shape[0]} rows (shape "
+                    f"{tuple(t.shape)}) for micro-batch {k} of {n} samples: every output tensor needs one row per "
+                    f"sample, dim 0 of size {n}, for the micro-batches' outputs to join into the whole batch's. Rows "
+                    "of another count would interleave across micro-batches: stack two views along dim 1 (or return "
+                    "them as two outputs), and return per-sample rows rather than a micro-batch's statistic")
+        return outputs
+
+    def check_targets(self) -> None:
         """Targets given as one tensor hold one row per sample (per-box targets go in a dict or list)."""
+        num_samples = sum(self.sizes)
         if isinstance(self.targets, Tensor) and (self.targets.dim() == 0 or len(self.targets) != num_samples):
             rows = "a 0-dim tensor" if self.targets.dim() == 0 else f"{len(self.targets)} rows"
             raise ValueError(f"targets is {rows}, but the batch has {num_samples} samples: a targets tensor needs one "

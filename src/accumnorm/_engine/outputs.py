@@ -3,9 +3,10 @@
 With `forward_fn` and `batch_loss_fn`, each micro-batch's forward returns its outputs (a tensor, or any
 nesting of tuples, lists, namedtuples and dicts of tensors, one row per sample along dim 0), and the loss
 is taken once, over the whole batch's outputs: `concatenate` joins the K outputs tensor by tensor along
-dim 0. A schedule that keeps one micro-batch at a time computes the outputs first without a graph, the
-loss and its gradient at every output (`OutputGrads`), then each micro-batch's forward again and its
-backward from those gradients.
+dim 0 (`BatchLoss.forward` holds each tensor to one row per sample). A schedule that keeps one
+micro-batch at a time computes the outputs first, letting their graph go (`without_graph`), the loss and its
+gradient at every output (`OutputGrads`), then each micro-batch's forward again and its backward from those
+gradients.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
-__all__ = ["concatenate", "OutputGrads"]
+__all__ = ["concatenate", "OutputGrads", "without_graph"]
 
 
 def concatenate(outputs: list[Any]) -> Any:
@@ -51,8 +52,15 @@ def concatenate(outputs: list[Any]) -> Any:
     return tree_unflatten(joined, spec)
 
 
+def without_graph(outputs: Any) -> Any:
+    """A micro-batch's outputs as leaves of no graph, each requiring grad where it did: the graph behind them goes
+    now, and whether the loss reaches the parameters through them is kept."""
+    return tree_map(lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, Tensor) else t, outputs)
+
+
 class OutputGrads:
-    """The whole-batch loss of outputs computed without a graph, and its gradient at each micro-batch's outputs.
+    """The whole-batch loss of outputs without their graph (`without_graph`), and its gradient at each micro-batch's
+    outputs.
 
     `loss(batch_loss)` takes the loss over the concatenated outputs (leaves that require grad), back-propagates
     it to them, and keeps each micro-batch's slice of their gradients for `backward(k, outputs)`.
@@ -63,7 +71,9 @@ class OutputGrads:
         whole = concatenate(outputs)  # checks every output first
         self.sizes = [tree_flatten(out)[0][0].shape[0] for out in outputs]
         leaves, self.spec = tree_flatten(whole)
-        self.leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in leaves]
+        # An output that does not require grad (detached, or made under no_grad) gets no gradient, as in the
+        # whole batch's forward; if none does, the loss does not require grad, and `BatchLoss.loss` says so.
+        self.leaves = [t.detach().requires_grad_(t.requires_grad) for t in leaves]
         self.whole = tree_unflatten(self.leaves, self.spec)
 
     def loss(self, batch_loss: Any) -> Tensor:

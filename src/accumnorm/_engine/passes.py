@@ -18,11 +18,17 @@ sum(dy * x_hat), on every BN call above it. With L BN calls and nothing kept bet
 That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows (with a whole-batch loss, one
 more: every micro-batch's outputs, for the loss's gradient at each of them). A sums pass costs the
 part of the network above its call, a correction pass the part below, so the split `t` puts the
-bottom half under corrections. Cost grows linearly with the number of BN calls; memory stays that
-of one micro-batch. Every pass over a micro-batch replays its random numbers from the start.
+bottom half under corrections; with a module's full backward hook in the model, t = 0 (such a hook
+sees no gradient that enters the module's input without passing its output, as a correction does).
+Cost grows linearly with the number of BN calls; memory stays that of one micro-batch. Every pass over
+a micro-batch replays its random numbers from the start, and runs with grad, as the user's functions
+would run in one forward (a graph that a pass does not back-propagate goes with it). A backward inside
+a forward that reaches a BN call, or the parameters before the full pass, would count once per pass:
+refused.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -30,7 +36,7 @@ from torch import Tensor
 
 from ..functional import Moments, moments
 from .calls import BNCall, INCall
-from .outputs import OutputGrads
+from .outputs import OutputGrads, without_graph
 from .step import Step
 from .sums import GradSums, normalize, normalize_with
 from .threadstate import autocast_cache_off
@@ -72,13 +78,18 @@ class _Passes:
         self.index = 0  # BN calls seen so far in its current forward
         self.instance_norms = 0  # InstanceNorm calls seen so far in its current forward
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
+        self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
+        self.grads_before = step.grad_versions()  # the parameters' .grad before the full pass
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off():
             self._statistics()
             if self.step.objective.whole:
                 self._output_gradients()
-            t = len(self.calls) // 2  # the bottom half gets correction passes
+            self.grads_before = self.step.grad_versions()
+            # The bottom half gets correction passes; with a module's full backward hook in the model, none does: such
+            # a hook sees no gradient that enters the module's input without leaving its output, as a correction does.
+            t = 0 if _has_backward_hooks(self.step.model) else len(self.calls) // 2
             for j in reversed(range(t, len(self.calls))):
                 self._sums_pass(j)
             self._full_pass(t)
@@ -90,35 +101,52 @@ class _Passes:
     def _batch_norm(self, bn: BNCall) -> Tensor:
         i, self.index = self.index, self.index + 1
         if i == len(self.calls) and self.mode == self.STATS and i == self.target:
-            self.calls.append(_Call(bn))  # the first time a forward gets this deep: a new call
+            # The first time a forward gets this deep: a new call (its input without the graph below, which goes).
+            self.calls.append(_Call(dataclasses.replace(bn, input=bn.input.detach())))
         if i >= len(self.calls):
             raise ValueError(f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, "
                              f"but micro-batch {self.k} made BatchNorm call {i} ({self.step.describe(bn)}) where "
                              f"micro-batch 0 made {len(self.calls)}")
         call = self.calls[i]
-        # Passes switch grad mode themselves: only autocast must agree.
+        # Each micro-batch's forward is its own call of torch's: only autocast must agree.
         self.step.check_same([call.first, bn], i, micro_batches=(0, self.k), grad_mode=False)
+        y = self._normalized(call, i, bn)
+        if y.grad_fn is not None:  # a backward through it from inside a forward is refused (`_inner_backward`)
+            y.grad_fn.register_prehook(self.step.inner_backward_refusal(bn, i, lambda: self.k if self.forwarding
+                                                                           else None))
+        return y
+
+    def _normalized(self, call: _Call, i: int, bn: BNCall) -> Tensor:
+        """Call i's output in the current pass (or _Stop at the pass's target)."""
         x, w, b, eps = bn.input, bn.weight, bn.bias, bn.eps
-        if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
-            if i == self.target:
-                call.parts.append(moments(x))
+        mean, var = (None, None) if call.stats is None else (call.stats.mean, call.stats.var)
+        if i == self.target and self.mode in (self.STATS, self.CORRECT):
+            if self.mode == self.STATS:
+                call.parts.append(moments(x.detach()))
                 call.rows += x.shape[0]
-                raise _Stop
-            return normalize_with(x, call.stats.mean, call.stats.var, w, b, eps)
-        if self.mode == self.SUMS and i == self.target:
-            # Back-propagation stops at this detached input: the pass only wants this call's sums.
-            call.input = x.detach().requires_grad_()
-            torch.set_grad_enabled(True)  # the forward below ran without grad; from here up it is needed
-            return normalize(call.input, call.stats.mean, call.stats.var, w, b, eps, call.sums)
-        if self.mode == self.CORRECT and i == self.target:
-            call.input = x
+            else:
+                call.input = x
             raise _Stop
+        if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
+            def output(x: Tensor) -> Tensor:
+                return normalize_with(x, mean, var, w, b, eps)
+        elif self.mode == self.SUMS and i == self.target:
+            grad = torch.is_grad_enabled()
 
-        def output(x: Tensor) -> Tensor:
-            return normalize(x, call.stats.mean, call.stats.var, w, b, eps, call.sums)
+            def output(x: Tensor) -> Tensor:
+                return normalize(x.detach().requires_grad_(grad), mean, var, w, b, eps, call.sums)
 
-        # Computed in the region's place: a recomputation saves the same tensors again.
-        self.step.regions.enter_forward_call(output)
+            # Back-propagation stops at this detached input: the pass only wants this call's sums.
+            call.input = x.detach().requires_grad_(grad)
+            y = normalize(call.input, mean, var, w, b, eps, call.sums)
+            self.step.regions.enter_forward_call(output)
+            return y
+        else:
+            def output(x: Tensor) -> Tensor:
+                return normalize(x, mean, var, w, b, eps, call.sums)
+
+        if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
+            self.step.regions.enter_forward_call(output)
         return output(x)
 
     def _instance_norm(self, call: INCall) -> Tensor:
@@ -141,10 +169,13 @@ class _Passes:
 
     def _forward(self, k: int) -> Any:
         """Micro-batch k's forward (its loss, or its outputs); _STOPPED if a truncated pass stopped it at its target."""
+        self.forwarding = True
         try:
             loss = self.step.forward(k)
         except _Stop:
             return _STOPPED
+        finally:
+            self.forwarding = False
         if self.index != len(self.calls):
             raise ValueError(
                 f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but "
@@ -156,10 +187,10 @@ class _Passes:
         while True:
             j = len(self.calls)
             self.mode, self.target = self.STATS, j
-            with torch.no_grad():
-                for k in self._each():
-                    if self._forward(k) is not _STOPPED:  # micro-batch 0 never reached call j: there are j
-                        return
+            for k in self._each():
+                if self._forward(k) is not _STOPPED:  # micro-batch 0 never reached call j: there are j
+                    self.step.refuse_grads_changed(self.grads_before, "each micro-batch's forward once per pass")
+                    return
             call = self.calls[j]
             self.step.check_count(call.rows, call.first.input.shape)
             call.first.stats = self.step.joint_moments(call.parts)
@@ -171,9 +202,7 @@ class _Passes:
         """With a whole-batch loss: every micro-batch's outputs (no graph, every call with its statistics), the loss
         over all of them, and its gradient at each micro-batch's outputs, from which its backwards start."""
         self.mode, self.target = self.STATS, len(self.calls)  # no call is the target: every forward completes
-        with torch.no_grad():
-            outputs = [self._forward(k) for k in self._each()]
-        self.grads = OutputGrads(outputs, self.step.backward)
+        self.grads = OutputGrads([without_graph(self._forward(k)) for k in self._each()], self.step.backward)
         self.step.whole_loss = self.grads.loss(self.step.objective.loss).detach()
 
     def _backward_from(self, k: int, result: Any, inputs: list[Tensor] | None = None) -> None:
@@ -194,11 +223,12 @@ class _Passes:
         self.mode, self.target = self.SUMS, j
         call = self.calls[j]
         for k in self._each():
-            with torch.no_grad():  # the BN call switches grad on: nothing below it needs a graph
-                result = self._forward(k)
+            result = self._forward(k)
             # Only the sums (collected by the call's backward) matter, not the gradient itself.
-            self._backward_from(k, result, inputs=[call.input])
+            if call.input.requires_grad:
+                self._backward_from(k, result, inputs=[call.input])
         call.input = None
+        self.step.refuse_grads_changed(self.grads_before, "each micro-batch's forward once per pass")
         self._finish_sums(call)
 
     def _full_pass(self, t: int) -> None:
@@ -223,6 +253,11 @@ class _Passes:
             scale = invstd if first.weight is None else invstd * first.weight.detach().to(invstd.dtype)
             x_hat = (x.detach().to(call.stats.mean.dtype) - call.stats.mean.view(shape)) * invstd.view(shape)
             self.step.backward(x, [call.sums.correction(x_hat, scale).to(x.dtype)])
+
+
+def _has_backward_hooks(model: torch.nn.Module) -> bool:
+    """Whether a full backward hook (one that sees grad_input) may run on a module of the model."""
+    return bool(torch.nn.modules.module._global_backward_hooks) or any(m._backward_hooks for m in model.modules())
 
 
 def passes(step: Step) -> None:

@@ -2,16 +2,14 @@
 
 With a loss per micro-batch: each micro-batch's forward and backward in turn, plain accumulation. With a
 whole-batch loss (`forward_fn` and `batch_loss_fn`), GradCache's scheme (Gao et al. 2021), in the memory of
-one micro-batch: every micro-batch's forward without a graph for its outputs; the loss over all of them and
+one micro-batch: every micro-batch's forward for its outputs, its graph let go at once; the loss over all of them and
 its gradient at each output; then every micro-batch's forward again and its backward from those gradients.
 The second forward draws the same random numbers as the first, and its buffer updates are the ones that
 count (the first's are undone), so each micro-batch's forward counts once.
 """
 from __future__ import annotations
 
-import torch
-
-from .outputs import OutputGrads
+from .outputs import OutputGrads, without_graph
 from .step import Step
 from .threadstate import autocast_cache_off
 
@@ -45,9 +43,9 @@ def _whole_batch_loss(step: Step) -> None:
         step.backward(scaled)
         return
     outputs = []
-    with autocast_cache_off(), torch.no_grad():
+    with autocast_cache_off():  # with grad, as the second forward: the functions run as they will there
         for k in range(len(step.micro_batches)):
-            outputs.append(_forward(step, k))
+            outputs.append(without_graph(_forward(step, k)))
             step.interrupts.check()
     step.restore_buffers()
     grads = OutputGrads(outputs, step.backward)

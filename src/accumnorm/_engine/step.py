@@ -135,6 +135,43 @@ class Step:
                     f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but at "
                     f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made {theirs}")
 
+    def inner_backward_refusal(self, call: BNCall, index: int,
+                               running: Callable[[], int | None]) -> Callable[[Any], None]:
+        """A prehook for the backward node of BatchNorm call `index`'s output that refuses a backward through it while
+        a micro-batch's forward runs (`running()`: that micro-batch, or None): that backward would need every
+        micro-batch's gradient at the call's output, and has only the one micro-batch's. (It holds the call's
+        description, not the call, whose input the graph need not keep.)"""
+        what = self.describe(call)
+
+        def refuse(grad_outputs: Any) -> None:
+            k = running()
+            if k is not None:
+                raise ValueError(
+                    f"bn='exact': micro-batch {k} ran a backward (a .backward() or torch.autograd.grad in your "
+                    f"function) through BatchNorm call {index} ({what}) while the micro-batches' "
+                    "forwards were still running. That call's backward is the whole batch's, and needs every "
+                    "micro-batch's gradient at its output, which no micro-batch has alone: there is no whole-batch "
+                    "meaning to give it. Nothing was changed. For a loss of the whole batch's outputs use forward_fn "
+                    "and batch_loss_fn; else leave the inner backward out (or, for a gradient penalty through "
+                    "BatchNorm, pass bn='micro')")
+        return refuse
+
+    def grad_versions(self) -> list[tuple[int, int] | None]:
+        """Each parameter's .grad as it is now, for `refuse_grads_changed`."""
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self.model.parameters()]
+
+    def refuse_grads_changed(self, before: list[tuple[int, int] | None], runs: str) -> None:
+        """Raise if a parameter's .grad changed since `before`, while only the micro-batches' forwards ran: a backward
+        inside the user's function, which the step `runs` ("each micro-batch's forward once") where the whole batch
+        would run it once."""
+        for (name, p), was in zip(self.model.named_parameters(), before):
+            if (None if p.grad is None else (id(p.grad), p.grad._version)) != was:
+                raise ValueError(
+                    f"bn='exact': a backward inside your function (a .backward() there) changed the .grad of the "
+                    f"parameter {name} during the micro-batches' forwards. The step runs {runs}, where the whole "
+                    "batch runs your function once, so that gradient would count several times over. Nothing was "
+                    "changed. Add that term to the loss you return instead")
+
     def check_count(self, rows: int, shape: Sequence[int]) -> None:
         """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch of `rows`
         samples, each of `shape` past the batch dimension, as checked by `check_same`)."""

@@ -66,7 +66,7 @@ class _Normalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mean, var, eps, sums):  # type: ignore[override]
         ctx.save_for_backward(x, weight, mean, var)
-        ctx.eps, ctx.sums = eps, sums
+        ctx.eps, ctx.sums, ctx.bias_dtype = eps, sums, None if bias is None else bias.dtype
         return normalize_with(x, mean, var, weight, bias, eps)
 
     @staticmethod
@@ -90,7 +90,7 @@ class _Normalize(torch.autograd.Function):
         if sums.collect:
             sums.add(sum_dy, sum_dy_xhat)
         grad_w = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_b = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        grad_b = sum_dy.to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
         return dx, grad_w, grad_b, None, None, None, None
 
 

@@ -1,0 +1,38 @@
+"""One rank of a two-rank run on gloo, started by tests/test_trust_contract.py with torchrun's environment.
+
+    python tests/programs/affine_ranks.py OUT
+
+A net whose batch norms are direct `F.batch_norm` calls with a bias and no weight, and a weight and no bias:
+one `accumnorm.backward` under the process group per exact schedule, on this rank's half of `affine_batch`;
+the loss and every gradient go to OUT/<schedule>-<rank>.pt.
+"""
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import accumnorm
+from accumnorm import distributed
+from helpers import EXACT_SCHEDULES, ce_loss
+from models import affine_batch, affine_net
+
+
+def main(out: Path) -> None:
+    env = distributed.init_from_env(timeout=timedelta(seconds=60))
+    x, y = affine_batch()
+    half = len(x) // env.world_size
+    mine = (x[env.rank * half:(env.rank + 1) * half], y[env.rank * half:(env.rank + 1) * half])
+    for schedule in EXACT_SCHEDULES:
+        model = affine_net()
+        loss = accumnorm.backward(model, mine, ce_loss, micro_batch_size=2, schedule=schedule,
+                                  process_group=dist.group.WORLD)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        torch.save({"loss": loss, "grads": grads}, out / f"{schedule}-{env.rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
