@@ -75,6 +75,7 @@ class _Lockstep:
                 if None in calls:
                     step.check_same(calls, index)  # raises: not all at a BatchNorm call
                 outputs, recompute = step.meet(calls, index)
+                step.graphs.met(outputs, [c.input for c in calls])
                 index += 1
                 ends = [self._resume(k, (y, recompute)) for k, y in zip(k_all, outputs)]
         except BaseException:
@@ -83,9 +84,12 @@ class _Lockstep:
         finally:
             self.coroutines = []
         if step.objective.whole:  # one loss over every micro-batch's outputs
+            step.graphs.check(list(zip(k_all, ends)))
             loss, scaled = step.objective.loss(concatenate(ends))
             step.whole_loss = loss.detach()
             return [scaled]
+        if index:  # before any backward: each micro-batch's graph is its own, but for the met calls
+            step.graphs.check(list(zip(k_all, ends)))
         roots = []
         for k, loss in zip(k_all, ends):
             step.losses[k] = loss.detach()
@@ -93,6 +97,7 @@ class _Lockstep:
             if index == 0:
                 # No BatchNorm call at all: each graph is its own, and its backward frees it now, as plain
                 # accumulation would.
+                step.graphs.check([(k, loss)])
                 weighted.backward()
             else:
                 roots.append(weighted)
@@ -110,6 +115,7 @@ class _Lockstep:
         """Run micro-batch k's forward until its next BatchNorm call (a BNCall) or its end (its loss or outputs)."""
         self.current = k
         self.step.rng.begin(k)
+        self.step.graphs.begin(k)
         try:
             end = self.coroutines[k].switch(value)
         except BaseException as e:
@@ -117,6 +123,7 @@ class _Lockstep:
                 e.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
             raise
         finally:
+            self.step.graphs.end()
             self.step.rng.end(k)
             self.current = None
         if not isinstance(end, BNCall):  # the forward is over: whatever it left of its state goes

@@ -207,6 +207,7 @@ class _Passes:
             result = self._forward(k)
             if not self.step.objective.whole:
                 self.step.losses[k] = result.detach()
+            self.step.graphs.check([(k, result)])  # a batch norm the passes did not make
             self._backward_from(k, result)
 
     def _correction_pass(self, j: int) -> None:
