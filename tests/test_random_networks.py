@@ -25,7 +25,8 @@ Shared state (the third test). The same networks with a random side channel: a f
 keeps its output in an attribute the loss reads, or an op that writes its input to a global dict and a later op
 that reads it back. Under the layerwise schedule a BatchNorm call between the write and the read lets another
 micro-batch overwrite it: each step must match whole-batch torch, or be refused with nothing changed (gradients,
-buffers, the caller's random state); under passes, which runs each micro-batch alone, it must match.
+buffers, the caller's random state; where the micro-batches differ in size, torch's own error may come first);
+under passes, which runs each micro-batch alone, it must match.
 """
 from __future__ import annotations
 
@@ -519,15 +520,15 @@ def test_random_networks_with_shared_state_are_exact_or_refused(spec):
     expected = whole_batch(ref, batch, loss)
     for name in STEP_SCHEDULES:
         ours = copy.deepcopy(model)
-        for p in ours.parameters():
-            p.grad = torch.zeros_like(p)
         snap, rng = snapshot(ours), torch.random.get_rng_state()
         note(f"schedule {name}")
         try:
             got = accumnorm.backward(ours, batch, loss, micro_batch_size=spec["micro"], schedule=name)
-        except ValueError as e:
+        except (ValueError, RuntimeError) as e:
             assert name != "passes", e  # each micro-batch's forward runs alone: nothing to refuse
-            assert "used a tensor that micro-batch" in str(e) and "Nothing was changed" in str(e), e
+            # Refused; or another micro-batch's tensor, of another size, failed in torch (micro-batches of 3 and 2).
+            assert ("used a tensor that micro-batch" in str(e) and "Nothing was changed" in str(e)) \
+                or (isinstance(e, RuntimeError) and "must match the size" in str(e)), e
             assert_unchanged(ours, snap)
             assert torch.equal(torch.random.get_rng_state(), rng)
             continue
