@@ -11,6 +11,8 @@
 - `calls`: the TorchFunctionMode that routes every batch-statistics norm call of a step to its schedule.
 - `plain`, `lockstep` (the layerwise schedule: coroutines on the caller's thread), `passes`: the schedules.
 - `threadstate`: torch's per-thread state, swapped as the coroutines take turns.
+- `crossing`: the K graphs checked before their backward: no micro-batch uses another's tensors (Python state
+  shared across a BatchNorm call), and no batch norm with batch statistics ran unseen.
 - `checkpoint`: BatchNorm inside `torch.utils.checkpoint(use_reentrant=False)` regions.
 - `store`: where the layerwise schedule keeps saved tensors.
 """

@@ -81,6 +81,11 @@ class Graphs:
         if node is not None:
             self.seen.add(node)
 
+    def clear(self) -> None:
+        """Let go of the nodes held (once the graphs are checked, or the step failed)."""
+        self.pieces.clear()
+        self.seen.clear()
+
     def owner(self, node: Any) -> int | None:
         """The micro-batch that made `node`, or None (made before the step, between turns, or a leaf's)."""
         i = bisect_right(self.starts, node._sequence_nr()) - 1

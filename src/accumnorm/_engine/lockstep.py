@@ -14,7 +14,10 @@ kept, in `store` (on CUDA, pinned host memory by default: the device then holds 
 micro-batch's activations plus the tensors that cross the current BatchNorm call for all K).
 
 Any model runs as written: Python control flow, hooks and side effects run once per micro-batch, on
-the caller's thread, with its intra-op threads, CUDA device and stream. At every turn the coroutines
+the caller's thread, with its intra-op threads, CUDA device and stream. Python state the forwards share
+(a hook's stash, a module attribute, a global) is another matter: one micro-batch overwrites what another
+wrote before a BatchNorm call, so before the backward `Graphs` checks that no micro-batch's graph holds a
+tensor another made, and refuses the step if one does. At every turn the coroutines
 swap torch's per-thread state (`ThreadState`: grad mode, autocast, saved-tensor hooks, modes, CUDA
 stream) and their random streams (`StepRng`), so each runs as it would alone. A BatchNorm call inside
 a `checkpoint(use_reentrant=False)` region is recorded with its region (`Regions`); its recomputation
@@ -52,8 +55,11 @@ class _Lockstep:
         self.base: ThreadState | None = None  # the driver's state, which every coroutine returns to when it pauses
 
     def run(self) -> None:
-        with self.store.hooks() if self.store is not None else nullcontext():
-            roots = self._forwards()
+        try:
+            with self.store.hooks() if self.store is not None else nullcontext():
+                roots = self._forwards()
+        finally:
+            self.step.graphs.clear()  # checked: the graphs' nodes are the backward's to free
         if roots:
             # One backward over every micro-batch: each met call's backward needs all K gradients at once.
             torch.autograd.backward(roots)

@@ -228,4 +228,7 @@ class _Passes:
 
 def passes(step: Step) -> None:
     """Exact BatchNorm by the 2L + 1 passes of the module doc; fills `step.losses` and the step's calls."""
-    _Passes(step).run()
+    try:
+        _Passes(step).run()
+    finally:
+        step.graphs.clear()
