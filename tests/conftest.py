@@ -1,9 +1,10 @@
-"""pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one;
+"""pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one
+(`schedule_any`: and "auto");
 `one_thread` for tests of small tensors; tests marked `cuda` skip, saying why, without a GPU."""
 import pytest
 import torch
 
-from helpers import EXACT_SCHEDULES
+from helpers import EXACT_SCHEDULES, STEP_SCHEDULES
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,6 +23,12 @@ def _seed():
 
 @pytest.fixture(params=EXACT_SCHEDULES)
 def schedule(request):
+    return request.param
+
+
+@pytest.fixture(params=STEP_SCHEDULES)
+def schedule_any(request):
+    """Every value of `schedule`, "auto" too."""
     return request.param
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import accumnorm
 
 EXACT_SCHEDULES = ("layerwise", "passes")
+STEP_SCHEDULES = (*EXACT_SCHEDULES, "auto")  # every value of `schedule` a step takes
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:

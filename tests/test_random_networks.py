@@ -20,6 +20,13 @@ between 2-3 steps on the same model, and random regions (possibly nested) run in
 `torch.utils.checkpoint.checkpoint(use_reentrant=False)`. Every step must match whole-batch torch on a twin
 given the same changes and no checkpointing (torch's own checkpoint recomputation would update running
 statistics a second time).
+
+Shared state (the third test). The same networks with a random side channel: a forward hook on a random op that
+keeps its output in an attribute the loss reads, or an op that writes its input to a global dict and a later op
+that reads it back. Under the layerwise schedule a BatchNorm call between the write and the read lets another
+micro-batch overwrite it: each step must match whole-batch torch, or be refused with nothing changed (gradients,
+buffers, the caller's random state; where the micro-batches differ in size, torch's own error may come first);
+under passes, which runs each micro-batch alone, it must match.
 """
 from __future__ import annotations
 
@@ -34,7 +41,16 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 import accumnorm
-from helpers import EXACT_SCHEDULES, compare, compare_within_rounding, rel_err, whole_batch
+from helpers import (
+    EXACT_SCHEDULES,
+    STEP_SCHEDULES,
+    assert_unchanged,
+    compare,
+    compare_within_rounding,
+    rel_err,
+    snapshot,
+    whole_batch,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors: see conftest.py
 
@@ -314,6 +330,8 @@ def build(spec: dict) -> Net:
                 out.append(Concat(seq(args[0]), seq(args[1])))
             elif kind == "region":
                 out.append(Region(seq(args[0])))
+            elif kind in ("write", "read"):
+                out.append({"write": Write, "read": Read}[kind]())
             elif kind == "pad":
                 out.append(Pad(args[1], args[0]))
             else:
@@ -435,3 +453,84 @@ def test_one_micro_batch_around_a_checkpointed_region(schedule):
     loss = accumnorm.backward(model, batch, loss_fn, micro_batch_size=spec["n"], schedule=schedule)
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
+
+
+SHARED: dict[str, torch.Tensor] = {}  # the global the side channel writes and reads
+
+
+class Write(nn.Module):
+    def forward(self, h, ids):
+        SHARED["h"] = h
+        return h
+
+
+class Read(nn.Module):
+    def forward(self, h, ids):
+        return h + 0.5 * SHARED["h"]
+
+
+@st.composite
+def networks_with_shared_state(draw) -> dict:
+    """`networks` with a side channel: ("hook", i), a forward hook on the i-th op of the model (in `modules()`
+    order) keeping its output for the loss; or ("global", i, j), a `Write` before top-level op i and a `Read`
+    before op j >= i."""
+    spec = draw(networks())
+    body = spec["body"]
+    if draw(st.booleans()):
+        side = ("hook", draw(st.integers(0, 10**6)))
+    else:
+        i = draw(st.integers(0, len(body)))
+        side = ("global", i, draw(st.integers(i, len(body))))
+    return {**spec, "side": side}
+
+
+def build_with_shared_state(spec: dict) -> tuple[Net, object]:
+    """The network and the loss function of `spec` (the loss reads a hook's stash, if any)."""
+    side = spec["side"]
+    if side[0] == "global":
+        _, i, j = side
+        body = list(spec["body"])
+        body.insert(j, ("read",))
+        body.insert(i, ("write",))
+        spec = {**spec, "body": body}
+    model = build(spec)
+    if side[0] == "global":
+        return model, loss_fn
+    ops = [m for m in model.modules() if isinstance(m, (Plain, Norm, Seq, Residual, Concat))]
+    index = side[1] % len(ops)
+    ops[index].register_forward_hook(lambda m, args, out: setattr(m, "stash", out))
+
+    def loss_with_stash(model: nn.Module, batch) -> torch.Tensor:
+        hooked = [m for m in model.modules() if isinstance(m, (Plain, Norm, Seq, Residual, Concat))][index]
+        return loss_fn(model, batch) + hooked.stash.pow(2).mean()
+
+    return model, loss_with_stash
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=networks_with_shared_state())
+def test_random_networks_with_shared_state_are_exact_or_refused(spec):
+    model, loss = build_with_shared_state(spec)
+    for m in random_dropouts(model):
+        m.eval()
+    ref, twin = copy.deepcopy(model), copy.deepcopy(model)
+    batch = random_batch(spec["n"], spec["seed"])
+    whole_batch(twin, tuple(t.flip(0) for t in batch), loss)
+    expected = whole_batch(ref, batch, loss)
+    for name in STEP_SCHEDULES:
+        ours = copy.deepcopy(model)
+        snap, rng = snapshot(ours), torch.random.get_rng_state()
+        note(f"schedule {name}")
+        try:
+            got = accumnorm.backward(ours, batch, loss, micro_batch_size=spec["micro"], schedule=name)
+        except (ValueError, RuntimeError) as e:
+            assert name != "passes", e  # each micro-batch's forward runs alone: nothing to refuse
+            # Refused; or another micro-batch's tensor, of another size, failed in torch (micro-batches of 3 and 2).
+            assert ("used a tensor that micro-batch" in str(e) and "Nothing was changed" in str(e)) \
+                or (isinstance(e, RuntimeError) and "must match the size" in str(e)), e
+            assert_unchanged(ours, snap)
+            assert torch.equal(torch.random.get_rng_state(), rng)
+            continue
+        assert rel_err(got, expected) < 1e-10, name
+        compare_within_rounding(ref, twin, ours, 1e-9, SLACK)

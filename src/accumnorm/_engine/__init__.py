@@ -13,6 +13,8 @@
 - `plain`, `lockstep` (the layerwise schedule: coroutines on the caller's thread), `passes`: the schedules.
 - `threadstate`: torch's per-thread state, swapped as the coroutines take turns; `flags`: the process-wide flags
   swapped with it.
+- `crossing`: the K graphs checked before their backward: no micro-batch uses another's tensors (Python state
+  shared across a BatchNorm call), and no batch norm with batch statistics ran unseen.
 - `checkpoint`: BatchNorm inside `torch.utils.checkpoint(use_reentrant=False)` regions.
 - `store`: where the layerwise schedule keeps saved tensors.
 - `costs`: the cost model of moving saved tensors to the host against recomputing them on the device.

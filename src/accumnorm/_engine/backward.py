@@ -252,7 +252,7 @@ def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None,
         # memory of one micro-batch; a functional batch-norm call met on the way sends the step to layerwise.
         try:
             with step.norm_calls(_refuse_statistics, _refuse_statistics):
-                return _run(plain, step)
+                return _run(lambda s: plain(s, exact=True), step)
         except _NoStatistics:
             _start_over(step, transaction)
             step = new_step()

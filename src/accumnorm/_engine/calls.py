@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..functional import Moments
+from .crossing import Graphs
 from .threadstate import Modes
 
 __all__ = ["BNCall", "INCall", "NormCalls", "describe"]
@@ -59,6 +60,9 @@ class BNCall:
     eps: float
     module: nn.Module | None  # the module whose running_mean this is; None for a call without module buffers
     modes: Modes
+    # A call of a BatchNorm layer's forward, which counted it in num_batches_tracked (not a direct F.batch_norm
+    # call on the layer's tensors, which torch counts nowhere).
+    counted: bool = False
     stats: Moments | None = None  # the whole batch's statistics, once the micro-batches have met
 
 
@@ -92,16 +96,18 @@ class NormCalls(TorchFunctionMode):
     """Sends every batch-statistics `F.batch_norm` call to `on_batch_norm(BNCall) -> Tensor`, and every
     `F.instance_norm` call that updates running statistics to `on_instance_norm(INCall) -> Tensor`.
 
-    `owners` maps `id(running_mean)` to the module holding it; `seen` counts the batch-statistics calls per such
-    module. `stop` is the code object of the function that calls loss_fn: the search for an enclosing custom
-    autograd.Function ends there.
+    `owners` maps `id(running_mean)` to the module holding it; `seen` counts the batch-statistics calls of each
+    BatchNorm layer's forward (each bumps its num_batches_tracked: `versions` holds the counter's version at the
+    last call seen, shared by the step's modes); `graphs` learns of the instance norms seen. `stop` is the code
+    object of the function that calls loss_fn: the search for an enclosing custom autograd.Function ends there.
     """
 
     def __init__(self, on_batch_norm: Callable[[BNCall], Tensor], on_instance_norm: Callable[[INCall], Tensor],
-                 owners: dict[int, nn.Module], stop: CodeType, seen: Counter[nn.Module]) -> None:
+                 owners: dict[int, nn.Module], stop: CodeType, seen: Counter[nn.Module],
+                 versions: dict[nn.Module, int], graphs: Graphs) -> None:
         super().__init__()
         self.on_batch_norm, self.on_instance_norm = on_batch_norm, on_instance_norm
-        self.owners, self.stop, self.seen = owners, stop, seen
+        self.owners, self.stop, self.seen, self.versions, self.graphs = owners, stop, seen, versions, graphs
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: A002 - torch's signature
         kwargs = kwargs or {}
@@ -114,8 +120,12 @@ class NormCalls(TorchFunctionMode):
             a = _bind(_INSTANCE_NORM[func], args, kwargs)
             rm = a["running_mean"]
             if a["use_input_stats"] and rm is not None:
-                return self.on_instance_norm(INCall(a["input"], rm, a["running_var"], a["weight"], a["bias"],
-                                                    a["momentum"], a["eps"], self._owner(rm)))
+                out = self.on_instance_norm(INCall(a["input"], rm, a["running_var"], a["weight"], a["bias"],
+                                                   a["momentum"], a["eps"], self._owner(rm)))
+            else:
+                out = func(*args, **kwargs)
+            self.graphs.instance_norm(out)  # torch makes it a batch norm of one sample: the step saw it
+            return out
         return func(*args, **kwargs)
 
     def batch_norm(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,  # noqa: A002
@@ -123,10 +133,15 @@ class NormCalls(TorchFunctionMode):
         """A batch-statistics call, with this mode off the thread's stack (as in `__torch_function__`): its output."""
         self._refuse_where_inexact()
         owner = self._owner(running_mean)
-        if owner is not None:
-            self.seen[owner] += 1
+        counted = False
+        if owner in self.versions:  # a BatchNorm layer's: counted if its forward bumped num_batches_tracked
+            version = owner.num_batches_tracked._version
+            counted = version != self.versions[owner]
+            self.versions[owner] = version
+            if counted:
+                self.seen[owner] += 1
         return self.on_batch_norm(BNCall(input, running_mean, running_var, weight, bias, momentum, eps, owner,
-                                         Modes.current()))
+                                         Modes.current(), counted=counted))
 
     def _owner(self, running_mean: Tensor | None) -> nn.Module | None:
         return self.owners.get(id(running_mean)) if running_mean is not None else None
@@ -139,19 +154,18 @@ class NormCalls(TorchFunctionMode):
         if torch._C._are_functorch_transforms_active():
             raise ValueError("bn='exact' cannot see the whole batch inside a torch.func transform (vmap, grad, ...) "
                              "around a BatchNorm call; use bn='micro' or call the model outside the transform")
-        if not torch.is_grad_enabled():  # a custom Function's forward runs without grad: look for one
-            name = _autograd_function_around(sys._getframe(2), self.stop)
+        name = _autograd_function_around(sys._getframe(2), self.stop)  # grad mode is no sign: it may enable grad
+        if name is not None:
             if name == "CheckpointFunction":
                 raise ValueError(
                     "bn='exact' cannot make a BatchNorm call inside torch.utils.checkpoint(..., use_reentrant=True) "
                     "exact: its backward recomputes the forward outside accumnorm's step, with this micro-batch's "
                     "statistics alone. Use torch.utils.checkpoint(..., use_reentrant=False), which accumnorm makes "
                     "exact")
-            if name is not None:
-                raise ValueError(
-                    f"bn='exact' cannot make a BatchNorm call inside the forward of the custom autograd.Function "
-                    f"{name} exact: its backward is its own, and cannot use the whole batch's BatchNorm sums. Call the "
-                    "BatchNorm layer outside the Function, or use bn='micro'")
+            raise ValueError(
+                f"bn='exact' cannot make a BatchNorm call inside the forward of the custom autograd.Function "
+                f"{name} exact: its backward is its own, and cannot use the whole batch's BatchNorm sums. Call the "
+                "BatchNorm layer outside the Function, or use bn='micro'")
 
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:

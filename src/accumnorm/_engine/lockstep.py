@@ -14,7 +14,10 @@ kept, in `store` (on CUDA, pinned host memory by default: the device then holds 
 micro-batch's activations plus the tensors that cross the current BatchNorm call for all K).
 
 Any model runs as written: Python control flow, hooks and side effects run once per micro-batch, on
-the caller's thread, with its intra-op threads, CUDA device and stream. At every turn the coroutines
+the caller's thread, with its intra-op threads, CUDA device and stream. Python state the forwards share
+(a hook's stash, a module attribute, a global) is another matter: one micro-batch overwrites what another
+wrote before a BatchNorm call, so before the backward `Graphs` checks that no micro-batch's graph holds a
+tensor another made, and refuses the step if one does. At every turn the coroutines
 swap torch's per-thread state (`ThreadState`: grad mode, autocast, saved-tensor hooks, modes, CUDA
 stream) and their random streams (`StepRng`), so each runs as it would alone. A BatchNorm call inside
 a `checkpoint(use_reentrant=False)` region is recorded with its region (`Regions`); its recomputation
@@ -51,8 +54,11 @@ class _Lockstep:
         self.base: ThreadState | None = None  # the driver's state, which every coroutine returns to when it pauses
 
     def run(self) -> None:
-        with self.store.hooks() if self.store is not None else nullcontext():
-            roots = self._forwards()
+        try:
+            with self.store.hooks() if self.store is not None else nullcontext():
+                roots = self._forwards()
+        finally:
+            self.step.graphs.clear()  # checked: the graphs' nodes are the backward's to free
         if roots:
             # One backward over every micro-batch: each met call's backward needs all K gradients at once.
             self.step.backward(roots)
@@ -77,6 +83,7 @@ class _Lockstep:
                 outputs, recompute = step.meet(calls, index)
                 if len(outputs) > 1 and outputs[0].grad_fn is not None:  # the K rows' node, shared
                     outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(calls[0], index, self._running))
+                step.graphs.met(outputs, [c.input for c in calls])
                 index += 1
                 ends = [self._resume(k, (y, recompute)) for k, y in zip(k_all, outputs)]
         except BaseException:
@@ -87,9 +94,12 @@ class _Lockstep:
         if grads_before is not None:
             step.refuse_grads_changed(grads_before, "each micro-batch's forward once")
         if step.objective.whole:  # one loss over every micro-batch's outputs
+            step.graphs.check(list(zip(k_all, ends)))
             loss, scaled = step.objective.loss(concatenate(ends))
             step.whole_loss = loss.detach()
             return [scaled]
+        if index:  # before any backward: each micro-batch's graph is its own, but for the met calls
+            step.graphs.check(list(zip(k_all, ends)))
         roots = []
         for k, loss in zip(k_all, ends):
             step.losses[k] = loss.detach()
@@ -97,6 +107,7 @@ class _Lockstep:
             if index == 0:
                 # No BatchNorm call at all: each graph is its own, and its backward frees it now, as plain
                 # accumulation would.
+                step.graphs.check([(k, loss)])
                 step.backward(weighted)
             else:
                 roots.append(weighted)
@@ -117,6 +128,7 @@ class _Lockstep:
         """Run micro-batch k's forward until its next BatchNorm call (a BNCall) or its end (its loss or outputs)."""
         self.current = k
         self.step.rng.begin(k)
+        self.step.graphs.begin(k)
         try:
             end = self.coroutines[k].switch(value)
         except BaseException as e:
@@ -124,6 +136,7 @@ class _Lockstep:
                 e.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
             raise
         finally:
+            self.step.graphs.end()
             self.step.rng.end(k)
             self.current = None
         if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result

@@ -237,6 +237,7 @@ class _Passes:
             result = self._forward(k)
             if not self.step.objective.whole:
                 self.step.losses[k] = result.detach()
+            self.step.graphs.check([(k, result)])  # a batch norm the passes did not make
             self._backward_from(k, result)
 
     def _correction_pass(self, j: int) -> None:
@@ -262,4 +263,7 @@ def _has_backward_hooks(model: torch.nn.Module) -> bool:
 
 def passes(step: Step) -> None:
     """Exact BatchNorm by the 2L + 1 passes of the module doc; fills `step.losses` and the step's calls."""
-    _Passes(step).run()
+    try:
+        _Passes(step).run()
+    finally:
+        step.graphs.clear()

@@ -16,13 +16,16 @@ from .threadstate import autocast_cache_off
 __all__ = ["plain"]
 
 
-def plain(step: Step) -> None:
-    """Each micro-batch on its own (module doc)."""
+def plain(step: Step, exact: bool = False) -> None:
+    """Each micro-batch on its own (module doc). `exact`: the step is exact, so each graph is checked for a batch
+    norm with batch statistics that the step did not see before its backward."""
     if step.objective.whole:
-        _whole_batch_loss(step)
+        _whole_batch_loss(step, exact)
         return
     for k in range(len(step.micro_batches)):
         loss = _forward(step, k)
+        if exact:
+            step.graphs.check([(k, loss)])
         step.losses[k] = loss.detach()
         step.backward(step.objective.weighted(loss, k))
         step.interrupts.check()
@@ -36,9 +39,12 @@ def _forward(step: Step, k: int):
         step.rng.end(k)
 
 
-def _whole_batch_loss(step: Step) -> None:
+def _whole_batch_loss(step: Step, exact: bool) -> None:
     if len(step.micro_batches) == 1:  # the whole batch at once
-        loss, scaled = step.objective.loss(_forward(step, 0))
+        outputs = _forward(step, 0)
+        if exact:
+            step.graphs.check([(0, outputs)])
+        loss, scaled = step.objective.loss(outputs)
         step.whole_loss = loss.detach()
         step.backward(scaled)
         return
@@ -52,5 +58,8 @@ def _whole_batch_loss(step: Step) -> None:
     del outputs
     step.whole_loss = grads.loss(step.objective.loss).detach()
     for k in range(len(step.micro_batches)):
-        grads.backward(k, _forward(step, k))
+        outputs = _forward(step, k)
+        if exact:
+            step.graphs.check([(k, outputs)])
+        grads.backward(k, outputs)
         step.interrupts.check()

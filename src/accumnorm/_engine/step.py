@@ -27,6 +27,7 @@ from .._dist import Collectives
 from ..functional import Moments, combine_moments, moments, update_running_stats_
 from .calls import BNCall, INCall, NormCalls, describe
 from .checkpoint import Regions
+from .crossing import Graphs
 from .interrupts import SigintDeferred
 from .objective import BatchLoss, MicroBatchLoss
 from .rng import StepRng
@@ -71,18 +72,21 @@ class Step:
         self.backward = backward
         # Each buffer's module: a call's running statistics name the layer it belongs to.
         self.owners = {id(b): m for m in modules for b in m._buffers.values() if b is not None}
-        self.seen: Counter[nn.Module] = Counter()  # batch-statistics calls the schedule saw, per owning module
+        self.seen: Counter[nn.Module] = Counter()  # the BatchNorm layers' forwards the schedule saw
+        self.tracked_versions = {m: m.num_batches_tracked._version for m in tracked_before}
         self.losses: list[Tensor | None] = [None] * len(micro_batches)
         self.whole_loss: Tensor | None = None
         self.batch_norms: list[tuple[BNCall, Moments, float | None]] = []  # recorded calls, to update at the end
         self.instance_norms: list[_InstanceNormStats] = []
         self.regions = Regions(self.norm_calls)
+        self.graphs = Graphs(model)  # who made which node of the K graphs, checked before their backward
         self._names: dict[nn.Module, str] | None = None
 
     def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor],
                    on_instance_norm: Callable[[INCall], Tensor]) -> NormCalls:
         """The TorchFunctionMode that sends this step's norm calls to a schedule's handlers."""
-        return NormCalls(on_batch_norm, on_instance_norm, self.owners, Step.forward.__code__, self.seen)
+        return NormCalls(on_batch_norm, on_instance_norm, self.owners, Step.forward.__code__, self.seen,
+                         self.tracked_versions, self.graphs)
 
     def forward(self, k: int) -> Any:
         """Micro-batch k's forward: its loss (checked), or its outputs for a whole-batch loss."""
@@ -196,7 +200,7 @@ class Step:
                 f"bn='exact' met a F.batch_norm call over {call.input.shape[1]} channels whose running statistics "
                 "are not buffers of the model (a BatchNorm layer outside it?): accumnorm could neither update them "
                 "once per step nor restore them on an error. Make the layer part of the model")
-        if isinstance(m, _BatchNorm) and m.num_batches_tracked is not None:
+        if call.counted:  # a BatchNorm layer's forward: torch counts it in num_batches_tracked
             self.calls_so_far[m] += 1
             if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
                 return 1.0 / float(self.tracked_before[m] + self.calls_so_far[m])
@@ -264,7 +268,8 @@ def _identical(first: BNCall, call: BNCall) -> bool:
     return (x.shape[1:] == x0.shape[1:] and x.dtype == x0.dtype and x.device == x0.device
             and call.module is first.module and call.eps == first.eps and call.momentum == first.momentum
             and call.modes == first.modes and call.running_mean is first.running_mean
-            and call.running_var is first.running_var and call.weight is first.weight and call.bias is first.bias)
+            and call.running_var is first.running_var and call.weight is first.weight and call.bias is first.bias
+            and call.counted == first.counted)
 
 
 def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool,
@@ -282,6 +287,7 @@ def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool,
         ("the layer", names.get(call.module, "none"), names.get(first.module, "none")),
         ("eps", call.eps, first.eps),
         ("autocast", call.modes.autocast, first.modes.autocast),
+        ("whether the layer's forward made it", call.counted, first.counted),
     ]
     if grad_mode:
         checks.append(("grad mode", (call.modes.grad, call.modes.fwd_grad), (first.modes.grad, first.modes.fwd_grad)))

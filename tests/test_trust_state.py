@@ -1,0 +1,309 @@
+"""Python state the micro-batches share across a BatchNorm call, and batch norms the step does not see: under every
+schedule each step is exact (against whole-batch torch) or refused with a clear ValueError and nothing changed."""
+from __future__ import annotations
+
+import copy
+import re
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import accumnorm
+from helpers import assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
+from models import data
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+REFUSED = (r"micro-batch \d+ used a tensor that micro-batch \d+ made|did not see|cannot make a BatchNorm call inside"
+           r"|training forwards of")
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.Tanh(),
+                         nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.Tanh(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)).double()
+
+
+def exact_or_refused(ref: nn.Module, ours: nn.Module, batch, schedule: str, expected_loss=None, **step) -> str:
+    """`ours` steps as `ref` did over the whole batch (loss, gradients, buffers within 1e-9), or the step is refused
+    with a ValueError that says so, and ours' gradients, buffers and the caller's random state are as they were."""
+    ours.zero_grad()
+    for p in ours.parameters():
+        p.grad = torch.randn_like(p)  # gradients already accumulated: kept on a refusal, added to on success
+    snap, rng = snapshot(ours), torch.random.get_rng_state()
+    before = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    try:
+        loss = accumnorm.backward(ours, batch, micro_batch_size=2, schedule=schedule, **step)
+    except ValueError as e:
+        assert re.search(REFUSED, str(e)), e
+        assert "Nothing was changed" in str(e) or "cannot make" in str(e), e
+        assert_unchanged(ours, snap)
+        assert torch.equal(torch.random.get_rng_state(), rng)
+        return "refused"
+    for n, p in ours.named_parameters():
+        p.grad -= before[n]
+    if expected_loss is not None:
+        assert rel_err(loss, expected_loss) < 1e-10
+    compare(ref, ours, 1e-9)
+    return "exact"
+
+
+# ---------------------------------------------------------------- class 1: state shared across a BatchNorm call
+
+class Cached(nn.Module):
+    """A module that keeps its first conv's output in an attribute, which the loss reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = net()
+
+    def forward(self, x):
+        self.cache = self.body[0](x)
+        h = self.body[1:](self.cache)
+        return h
+
+
+STASH: dict = {}
+
+
+def _hook_attribute(model):
+    model[0].register_forward_hook(lambda m, i, o: setattr(m, "stash", o))
+    return lambda m: m[0].stash
+
+
+def _hook_after_batch_norm(model):  # the stash of the last BatchNorm's block, read in the same turn: exact anywhere
+    model[5].register_forward_hook(lambda m, i, o: setattr(m, "stash", o))
+    return lambda m: m[5].stash
+
+
+def _hook_global_dict(model):
+    model[2].register_forward_hook(lambda m, i, o: STASH.__setitem__("feat", o))
+    return lambda m: STASH["feat"]
+
+
+def _hook_list(model):
+    feats: list = []
+    model[0].register_forward_hook(lambda m, i, o: feats.append(o))
+    return lambda m: feats[-1]
+
+
+def _hook_closure(model):
+    box = [None]
+
+    def hook(m, i, o):
+        box[0] = o
+
+    model[3].register_forward_hook(hook)
+    return lambda m: box[0]
+
+
+def _pre_hook(model):  # a forward pre-hook keeps the second BatchNorm's input
+    model[4].register_forward_pre_hook(lambda m, args: STASH.__setitem__("seen", args[0]))
+    return lambda m: STASH["seen"]
+
+
+def _attribute(model):
+    return lambda m: m.cache
+
+
+def _deep_supervision(model):  # every block's output kept, each in a loss term
+    for i in (2, 5):
+        model[i].register_forward_hook(lambda m, i_, o: setattr(m, "stash", o))
+    return lambda m: m[2].stash.mean((1, 2, 3))[:, None, None, None] + m[5].stash
+
+
+STASHES = {"hook attribute": _hook_attribute, "hook after the last BatchNorm": _hook_after_batch_norm,
+           "hook into a global dict": _hook_global_dict, "hook into a list": _hook_list,
+           "hook into a closure": _hook_closure, "pre-hook into a global dict": _pre_hook,
+           "module attribute": _attribute, "deep supervision": _deep_supervision}
+
+
+def build_stash(case: str) -> tuple[nn.Module, callable]:
+    model = Cached() if case == "module attribute" else net()
+    stash = STASHES[case](model)
+    return model, stash
+
+
+@pytest.mark.parametrize("case", sorted(STASHES))
+@pytest.mark.parametrize("form", ["loss_fn", "whole-batch loss"])
+def test_state_shared_across_a_batch_norm_call_is_exact_or_refused(schedule_any, case, form):
+    """A forward hook's stash, a module attribute, a global, a list, a closure, read by the loss: each micro-batch
+    must use its own (as the whole batch uses its own), or the step is refused."""
+    model, stash = build_stash(case)
+    ref, ours = model, copy.deepcopy(model)
+    ref_stash = stash  # the copies' hooks write the copies' modules; the global ones are shared: read right after
+    batch = data((1, 6, 6), 8, torch.float64)
+    if form == "loss_fn":
+        def loss_fn(m, b):
+            return ce_loss(m, b) + stash(m).pow(2).mean()
+
+        expected = whole_batch(ref, batch, lambda m, b: ce_loss(m, b) + ref_stash(m).pow(2).mean())
+        outcome = exact_or_refused(ref, ours, batch, schedule_any, expected, loss_fn=loss_fn)
+    else:
+        def forward_fn(m, x):
+            out = m(x)
+            return {"logits": out, "feat": stash(m).flatten(1)}
+
+        def batch_loss_fn(outputs, y):
+            return F.cross_entropy(outputs["logits"], y) + outputs["feat"].pow(2).mean()
+
+        expected = whole_batch(ref, batch, lambda m, b: batch_loss_fn(forward_fn(m, b[0]), b[1]))
+        outcome = exact_or_refused(ref, ours, batch[0], schedule_any, expected, forward_fn=forward_fn,
+                                   batch_loss_fn=batch_loss_fn, targets=batch[1])
+    if schedule_any == "passes" or case == "hook after the last BatchNorm":
+        assert outcome == "exact"  # each micro-batch's forward alone, or no BatchNorm call between write and read
+
+
+class ReadsLocal(nn.Module):
+    """A model that reads, after its first BatchNorm call, a tensor that loss_fn keeps in a threading.local."""
+
+    def __init__(self, local: threading.local) -> None:
+        super().__init__()
+        self.body, self.local = net(), local
+
+    def forward(self, x):
+        h = self.body[:3](x)
+        return self.body[3:](h + self.local.shift)
+
+
+def test_a_threading_local_with_a_graph_read_after_a_batch_norm_call_is_exact_or_refused(schedule_any):
+    local = threading.local()
+    ref, ours = ReadsLocal(local), ReadsLocal(local)  # the same weights (net() seeds), one threading.local
+    batch = data((1, 6, 6), 8, torch.float64)
+
+    def loss_fn(m, b):
+        local.shift = m.body[0](b[0]).mean((1,), keepdim=True)  # the micro-batch's own, with a graph
+        return ce_loss(m, b)
+
+    expected = whole_batch(ref, batch, loss_fn)
+    exact_or_refused(ref, ours, batch, schedule_any, expected, loss_fn=loss_fn)
+
+
+# ---------------------------------------------------------------- class 2: batch norms the step does not see
+
+class Raw(nn.Module):
+    """A BatchNorm2d's tensors normalized by a batch-norm call below F.batch_norm (`how`)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.body = how, net()
+        if how == "scripted":
+            self.fn = torch.jit.script(_scripted_batch_norm)
+
+    def forward(self, x):
+        conv, bn = self.body[0], self.body[1]
+        h = conv(x)
+        args = (h, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1, 1e-5)
+        if self.how == "native_batch_norm":
+            h = torch.native_batch_norm(*args)[0]
+        elif self.how == "aten.native_batch_norm":
+            h = torch.ops.aten.native_batch_norm.default(*args)[0]
+        elif self.how == "_native_batch_norm_legit":
+            h = torch._native_batch_norm_legit(*args)[0]
+        elif self.how == "_native_batch_norm_legit without statistics":
+            h = torch._native_batch_norm_legit(h, bn.weight, bn.bias, True, 0.1, 1e-5)[0]
+        elif self.how == "aten.batch_norm":
+            h = torch.ops.aten.batch_norm.default(h, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, 0.1,
+                                                  1e-5, False)
+        elif self.how == "scripted":
+            h = self.fn(h, bn.weight, bn.bias)
+        elif self.how == "direct F.batch_norm":  # on the layer's own tensors, the layer never called: torch runs it
+            h = F.batch_norm(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, True)
+        elif self.how == "direct F.batch_norm and the layer":
+            h = bn(F.batch_norm(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, True, 0.3))
+        return self.body[2:](h)
+
+
+def _scripted_batch_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.batch_norm(x, None, None, w, b, True)
+
+
+class InThread(nn.Module):
+    """Its BatchNorm (without running statistics) runs in a worker thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.head = nn.Linear(36, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.Linear(8, 10)
+
+    def forward(self, x):
+        out = []
+        worker = threading.Thread(target=lambda: out.append(self.bn(self.lin(x.flatten(1)))))
+        worker.start()
+        worker.join()
+        return self.head(torch.tanh(out[0]))
+
+
+class BatchNormInside(torch.autograd.Function):
+    """A custom Function whose forward enables grad and runs a BatchNorm, its backward through that graph."""
+
+    @staticmethod
+    def forward(ctx, x, bn):
+        with torch.enable_grad():
+            inner = x.detach().requires_grad_()
+            y = bn(inner)
+        ctx.save_for_backward(inner, y)
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        inner, y = ctx.saved_tensors
+        return torch.autograd.grad(y, inner, grad)[0], None
+
+
+class WithFunction(nn.Module):
+    def __init__(self, track: bool) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4, track_running_stats=track)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x):
+        return self.head(torch.tanh(BatchNormInside.apply(self.conv(x), self.bn)).mean((2, 3)))
+
+
+UNSEEN = {
+    **{how: lambda how=how: Raw(how) for how in (
+        "native_batch_norm", "aten.native_batch_norm", "_native_batch_norm_legit",
+        "_native_batch_norm_legit without statistics", "aten.batch_norm", "scripted", "direct F.batch_norm",
+        "direct F.batch_norm and the layer")},
+    "a worker thread": InThread,
+    "a custom Function that enables grad": lambda: WithFunction(True),
+    "a custom Function that enables grad, no running statistics": lambda: WithFunction(False),
+}
+
+
+def twins(make) -> list[nn.Module]:
+    """Two models made alike (not a deep copy: a TorchScript function cannot be copied)."""
+    twins = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        twins.append(make().double())
+    return twins
+
+
+@pytest.mark.parametrize("case", sorted(UNSEEN))
+def test_a_batch_norm_below_the_steps_reach_is_exact_or_refused(schedule_any, case):
+    ref, ours = twins(UNSEEN[case])
+    batch = data((1, 6, 6), 8, torch.float64)
+    expected = whole_batch(ref, batch)
+    outcome = exact_or_refused(ref, ours, batch, schedule_any, expected, loss_fn=ce_loss)
+    if case.startswith("direct"):
+        assert outcome == "exact"  # F.batch_norm is the step's to see: it is made exact
+
+
+def test_a_direct_call_on_a_batch_norms_tensors_updates_as_torch_does(schedule_any):
+    """Two steps (running statistics carried on): the layer's counter stays where torch leaves it."""
+    ref, ours = twins(lambda: Raw("direct F.batch_norm"))
+    for seed in range(2):
+        torch.manual_seed(seed)
+        batch = data((1, 6, 6), 8, torch.float64)
+        ref.zero_grad()
+        ours.zero_grad()
+        expected = whole_batch(ref, batch)
+        assert rel_err(accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule_any),
+                       expected) < 1e-10
+        compare(ref, ours, 1e-9)
+    assert int(ours.body[1].num_batches_tracked) == 0
