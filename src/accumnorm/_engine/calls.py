@@ -60,6 +60,7 @@ class BNCall:
     module: nn.Module | None  # the module whose running_mean this is; None for a call without module buffers
     modes: Modes
     stats: Moments | None = None  # the whole batch's statistics, once the micro-batches have met
+    saved_tensor_hooks: tuple[tuple[Any, Any], ...] = ()  # the micro-batch's at the call (set by layerwise)
 
 
 @dataclass(eq=False)

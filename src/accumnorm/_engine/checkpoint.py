@@ -25,7 +25,7 @@ from torch import Tensor
 from .calls import BNCall, INCall, NormCalls
 from .threadstate import saved_tensor_hooks
 
-__all__ = ["Regions"]
+__all__ = ["Regions", "in_region"]
 
 Recompute = Callable[[Tensor], Tensor]
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
@@ -66,7 +66,12 @@ class Regions:
                 return recompute(call.input)
 
             with self.norm_calls(batch_norm, INCall.output):  # InstanceNorm: the same output, no update
-                return original(*args)
+                out = original(*args)
+            # Ran to its end (torch's early stop ends it with an exception once everything is saved again).
+            if next(pending, None) is not None:
+                raise ValueError("bn='exact': a checkpointed region's recomputation made fewer BatchNorm calls than "
+                                 "its forward; the region's function must make the same calls each time")
+            return out
 
         frame.recompute_fn = recompute_fn
 
@@ -74,14 +79,24 @@ class Regions:
         self.calls.clear()
 
 
+def in_region(hooks: tuple[tuple[Any, Any], ...]) -> bool:
+    """Whether a point with these saved-tensor hooks is inside the forward of a checkpointed region."""
+    return any(_is_forward_hook(pack) for pack, _ in hooks)
+
+
+def _is_forward_hook(pack: Any) -> bool:
+    fn = inspect.unwrap(pack)
+    return getattr(fn, "__qualname__", "") == _FORWARD_HOOK and fn.__module__ == "torch.utils.checkpoint"
+
+
 def _forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
     """The `_CheckpointFrame`s of the checkpointed regions whose forward encloses this point (whose hooks are
     `hooks`), outermost first."""
     frames = []
     for pack, _ in hooks:
-        fn = inspect.unwrap(pack)
-        if getattr(fn, "__qualname__", "") != _FORWARD_HOOK or fn.__module__ != "torch.utils.checkpoint":
+        if not _is_forward_hook(pack):
             continue
+        fn = inspect.unwrap(pack)
         cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
         frame = cells["frame"].cell_contents if "frame" in cells else None
         if not hasattr(frame, "recompute_fn"):

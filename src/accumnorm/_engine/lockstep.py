@@ -130,6 +130,7 @@ class _Lockstep:
             raise RuntimeError(f"bn='exact' met a BatchNorm call outside the micro-batches' forwards "
                                f"({self.step.describe(call)})")
         own = ThreadState.capture(call.modes)
+        call.saved_tensor_hooks = own.saved_tensor_hooks
         try:
             self.base.apply(own)
             y, recompute = self.driver.switch(call)  # the driver comes back once all K have met, in its state
