@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import accumnorm
 
-EXACT_SCHEDULES = ("layerwise", "passes")
+EXACT_SCHEDULES = ("layerwise", "recompute", "passes")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:

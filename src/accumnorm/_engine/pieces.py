@@ -7,8 +7,9 @@ call is instead one autograd.Function over the K pieces (`normalize_pieces`). It
 `native_batch_norm` on the whole batch (statistics, running-statistics update, output); it saves each piece
 with the saved-tensor hooks its micro-batch had at the call, which inside a region keep a placeholder of the
 region's checkpoint. The region's recomputation saves the piece again at the same place (`whole.Recompute`
-with `keeps_input`), so the backward's unpack gets it back; the backward is torch's `native_batch_norm_backward`
-on the recomputed pieces, concatenated, with the forward's mean and inverse standard deviation. Across the
+with `keeps_input`), so the backward's unpack gets it back; the backward is BatchNorm's, with the forward's
+mean and inverse standard deviation, over the pieces one at a time (the sums over the whole batch, then each
+piece's input gradient), so that it makes no concatenated copy of the whole batch's input or gradient. Across the
 ranks of a process group, the same, with `joint.normalize_across_ranks` run again, differentiably, in the
 backward on the recomputed input and the forward's statistics.
 """
@@ -23,14 +24,12 @@ from torch import Tensor
 from ..functional import Moments
 from .calls import BNCall
 from .joint import normalize_across_ranks
+from .sums import channel_shape
 
 __all__ = ["normalize_pieces"]
 
-_native_backward = torch.ops.aten.native_batch_norm_backward
-
-
 class _Local:
-    """The whole batch's normalization on this process: torch's kernels, forward and backward."""
+    """The whole batch's normalization on this process: torch's kernel forward; a backward piece by piece."""
 
     def __init__(self, call: BNCall, momentum: float | None) -> None:
         self.call, self.momentum = call, momentum
@@ -48,9 +47,29 @@ class _Local:
         n = self.mean.new_full((), count)
         return Moments(n, self.mean, var * n)
 
-    def backward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, dy: Tensor,
-                 needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
-        return _native_backward(dy, x, weight, None, None, self.mean, self.invstd, True, self.call.eps, list(needs))
+    def backward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
+                 needs: tuple[bool, bool, bool]) -> tuple[Any, ...]:
+        """BatchNorm's backward with the forward's mean and invstd, over the pieces one at a time: no tensor of the
+        whole batch beyond the input gradient (the concatenated input would be one more)."""
+        mean, invstd, shape = self.mean, self.invstd, channel_shape(xs[0])
+        dims = [0, *range(2, xs[0].dim())]
+        sum_dy, sum_dy_xmu, count = torch.zeros_like(mean), torch.zeros_like(mean), 0
+        for x, dy in zip(xs, dys):
+            d = dy.to(mean.dtype)
+            sum_dy += d.sum(dims)
+            sum_dy_xmu += (d * (x.to(mean.dtype) - mean.view(shape))).sum(dims)
+            count += x.numel() // x.shape[1]
+        dw = sum_dy_xmu * invstd if needs[1] else None
+        db = sum_dy if needs[2] else None
+        dxs = None
+        if needs[0]:
+            # dx = scale * (dy - (sum_dy + x_hat * sum(dy * x_hat)) / N) as dy * scale + x * slope + offset
+            scale = invstd if weight is None else invstd * weight.detach().to(invstd.dtype)
+            slope = -scale * invstd * invstd * sum_dy_xmu / count
+            offset = -scale * sum_dy / count - slope * mean
+            dxs = [torch.addcmul(offset.view(shape), x.to(mean.dtype), slope.view(shape))
+                   .addcmul_(dy.to(mean.dtype), scale.view(shape)).to(x.dtype) for x, dy in zip(xs, dys)]
+        return dxs, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
 
 
 class _AcrossRanks:
@@ -71,15 +90,17 @@ class _AcrossRanks:
     def stats(self, count: int) -> Moments:
         return self.moments
 
-    def backward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None, dy: Tensor,
-                 needs: tuple[bool, bool, bool]) -> tuple[Tensor | None, ...]:
+    def backward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
+                 needs: tuple[bool, bool, bool]) -> tuple[Any, ...]:
+        x, dy = torch.cat(xs), torch.cat(dys)
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(need) if t is not None else None
                       for t, need in zip((x, weight, bias), needs)]
             y = self._normalize(*leaves)
             wanted = [t for t in leaves if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(y, wanted, dy) if wanted else ())
-        return tuple(next(grads) if t is not None and t.requires_grad else None for t in leaves)
+        dx, dw, db = (next(grads) if t is not None and t.requires_grad else None for t in leaves)
+        return None if dx is None else list(dx.split([p.shape[0] for p in xs])), dw, db
 
 
 def _pack(hooks: tuple[tuple[Any, Any], ...], x: Tensor) -> tuple[Any, Any, int]:
@@ -122,14 +143,11 @@ class _MetCall(torch.autograd.Function):
         pieces = [_unpack(s, k) for k, s in enumerate(saved)]
         del saved
         weight, bias = ctx.saved_tensors
-        x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        dy = torch.cat([torch.zeros_like(p) if g is None else g for g, p in zip(grads, pieces)])
-        del pieces
+        dys = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, pieces)]
         needs = (any(ctx.needs_input_grad[4:]), weight is not None and ctx.needs_input_grad[2],
                  bias is not None and ctx.needs_input_grad[3])
-        dx, dw, db = ctx.norm.backward(x, weight, bias, dy, needs)
-        dxs = [None] * len(ctx.sizes) if dx is None else list(dx.split(ctx.sizes))
-        return (None, None, dw if needs[1] else None, db if needs[2] else None, *dxs)
+        dxs, dw, db = ctx.norm.backward(pieces, weight, bias, dys, needs)
+        return (None, None, dw, db, *([None] * len(pieces) if dxs is None else dxs))
 
 
 def normalize_pieces(calls: Sequence[BNCall], momentum: float | None,
