@@ -378,8 +378,8 @@ def test_a_namedtuple_batch_is_split_field_by_field():
 @pytest.mark.slow
 def test_real_sigints_at_random_moments_lose_nothing():
     """tests/programs/sigint_steps.py: SIGINT at a random moment of each of 40 steps per path (layerwise, recompute,
-    passes, plain), a model with dropout, a checkpointed region and InstanceNorm statistics: each time the model is as it
-    was or as the whole step leaves it, the thread's torch state is untouched, and no coroutine is left."""
+    passes, plain), a model with dropout, a checkpointed region and InstanceNorm statistics: each time the model is as
+    it was or as the whole step leaves it, the thread's torch state is untouched, and no coroutine is left."""
     program = Path(__file__).parent / "programs" / "sigint_steps.py"
     proc = subprocess.run([sys.executable, str(program), "--tries", "40"], env=cpu_env(), capture_output=True,
                           text=True, timeout=600)
