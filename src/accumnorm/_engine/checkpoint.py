@@ -25,7 +25,7 @@ from torch import Tensor
 from .calls import BNCall, INCall, NormCalls
 from .threadstate import saved_tensor_hooks
 
-__all__ = ["Regions", "in_region"]
+__all__ = ["Regions", "in_region", "region_frames"]
 
 Recompute = Callable[[Tensor], Tensor]
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
@@ -82,6 +82,11 @@ class Regions:
 def in_region(hooks: tuple[tuple[Any, Any], ...]) -> bool:
     """Whether a point with these saved-tensor hooks is inside the forward of a checkpointed region."""
     return any(_is_forward_hook(pack) for pack, _ in hooks)
+
+
+def region_frames(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
+    """The `_CheckpointFrame`s of the regions whose forward encloses a point with these hooks, outermost first."""
+    return _forward_regions(hooks)
 
 
 def _is_forward_hook(pack: Any) -> bool:

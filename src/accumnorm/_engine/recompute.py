@@ -13,8 +13,11 @@ Regions (`choose_regions`) are modules at the frontier of the module tree where 
 root of the model's layers (a residual block, an inverted-residual block, a detector's stage), so that a
 region's recomputation is small against the whole and the region inputs are few. Modules of a single layer
 gain nothing from it and stay as they are, as does the last region (the backward recomputes it at once: it
-would cost time and save nothing). A region called inside a region the user already checkpointed, or
-without grad, runs as it is.
+would cost time and save nothing). Once a step has measured what each region's forward saves, the regions
+that save least run as they are, as long as together they save no more than the largest one: the backward
+holds that one's recomputation anyway, and theirs would cost time (the late, low-resolution blocks of a
+convolutional net save little for as much compute). A region called inside a region the user already
+checkpointed, or without grad, runs as it is.
 
 A region is exact only if running its forward twice gives the same result: `check_unchanged` refuses a step
 whose forward changed a region module's Python attributes or buffers (other than the BatchNorm state the step
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import math
 import types
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,7 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from .checkpoint import in_region
+from .checkpoint import in_region, region_frames
 from .lockstep import layerwise
 from .step import Step
 from .store import Store
@@ -81,8 +85,33 @@ def choose_regions(model: nn.Module) -> list[nn.Module]:
             visit(child)
 
     visit(model)
-    unique = list(dict.fromkeys(regions))
-    return unique[:-1]
+    unique = list(dict.fromkeys(regions))[:-1]
+    sizes = [_SAVED.get(m) for m in unique]
+    if None in sizes or not unique:
+        return unique
+    # Regions that keep little run as they are, as long as together they keep no more than the largest region,
+    # whose recomputation the backward holds anyway: their recomputation would cost time for little memory.
+    kept, budget = set(), max(sizes)
+    for size, i in sorted(zip(sizes, range(len(unique)))):
+        if size > budget:
+            break
+        budget -= size
+        kept.add(i)
+    return [m for i, m in enumerate(unique) if i not in kept]
+
+
+# region module -> the bytes per sample its forward saved for the backward, as its last checkpointed forward
+# measured them (what `choose_regions` weighs)
+_SAVED: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+
+
+def _saved_bytes(frame: Any, module: nn.Module, rows: int) -> float:
+    """The bytes per sample a region's forward saved (its frame's metadata of each saved tensor), its module's
+    parameters left out."""
+    saved = sum(math.prod(meta["shape"]) * meta["dtype"].itemsize for meta in frame.x_metadatas
+                if isinstance(meta, dict) and "shape" in meta)
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    return max(0, saved - params) / max(1, rows)
 
 
 def _wrappable(m: nn.Module) -> bool:
@@ -107,9 +136,13 @@ def _region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         for i, t in zip(tensors, inputs):
             filled[i] = t
         a, kw = tree_unflatten(filled, spec)
-        if given[0] is None:
-            given[0] = (a, kw)
-        return forward(self, *a, **kw)
+        if given[0] is not None:  # a recomputation
+            return forward(self, *a, **kw)
+        given[0] = (a, kw)
+        frame = region_frames(saved_tensor_hooks())[-1]
+        out = forward(self, *a, **kw)
+        _SAVED[self] = _saved_bytes(frame, self, inputs[0].shape[0] if inputs and inputs[0].dim() else 1)
+        return out
 
     out = checkpoint(run, *[leaves[i] for i in tensors], use_reentrant=False, preserve_rng_state=True)
     (after, after_spec), given[0] = tree_flatten(given[0]), False
