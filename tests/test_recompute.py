@@ -74,6 +74,16 @@ def test_recompute_draws_the_dropout_masks_layerwise_draws():
         compare(a, c, 1e-3)
 
 
+def test_hooks_inside_a_region_run_again_in_its_recomputation():
+    """As the docstring's warning says: a region's modules run in the forward and again in the backward."""
+    model, batch = net(), data((1, 8, 8), 8, torch.float64)
+    calls = {"first": 0, "last": 0}
+    model[3].b1.register_forward_hook(lambda *a: calls.__setitem__("first", calls["first"] + 1))
+    model[8].b1.register_forward_hook(lambda *a: calls.__setitem__("last", calls["last"] + 1))
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert calls == {"first": 8, "last": 4}  # the last block is no region: the backward recomputes nothing there
+
+
 class Counting(Block):
     def __init__(self) -> None:
         super().__init__()
