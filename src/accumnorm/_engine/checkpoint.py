@@ -17,6 +17,7 @@ statistic moves). The wrapper lives on the frame, which lives as long as the ste
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,15 +40,18 @@ class Regions:
 
     def __init__(self, norm_calls: Callable[..., NormCalls]) -> None:
         self.norm_calls = norm_calls
-        self.calls: dict[int, tuple[Any, list[Recompute]]] = {}  # id(frame) -> (frame, its calls in order)
+        # id(frame) -> (a weak reference to the frame, its calls in order). Weak: a frame holds its region's
+        # inputs, which the backward frees region by region as it goes down, as torch's checkpoint would.
+        self.calls: dict[int, tuple[weakref.ref, list[Recompute]]] = {}
 
     def enter_forward_call(self, recompute: Recompute, hooks: tuple[tuple[Any, Any], ...] | None = None) -> None:
         """Record a forward call, with how to give its output again, in every region it is made in (`hooks`: the
         thread's saved-tensor hooks, when the caller has just read them)."""
         for frame in _forward_regions(saved_tensor_hooks() if hooks is None else hooks):
-            entry = self.calls.get(id(frame))
-            if entry is None:
-                entry = self.calls[id(frame)] = (frame, [])
+            key = id(frame)
+            entry = self.calls.get(key)
+            if entry is None or entry[0]() is not frame:
+                entry = self.calls[key] = (weakref.ref(frame, lambda _, key=key: self.calls.pop(key, None)), [])
                 self._recompute_in_step(frame, entry[1])
             entry[1].append(recompute)
 

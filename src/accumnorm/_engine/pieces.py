@@ -32,18 +32,20 @@ class _Local:
     """The whole batch's normalization on this process: torch's kernel forward; a backward piece by piece."""
 
     def __init__(self, call: BNCall, momentum: float | None) -> None:
-        self.call, self.momentum = call, momentum
+        # Not the call: it holds micro-batch 0's input, which the backward must not find kept here.
+        self.running_mean, self.running_var, self.eps = call.running_mean, call.running_var, call.eps
+        self.momentum = 0.0 if momentum is None else momentum
         self.mean = self.invstd = None
 
     def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-        c = self.call
-        y, self.mean, self.invstd = torch.native_batch_norm(x, weight, bias, c.running_mean, c.running_var, True,
-                                                            0.0 if self.momentum is None else self.momentum, c.eps)
+        y, self.mean, self.invstd = torch.native_batch_norm(x, weight, bias, self.running_mean, self.running_var,
+                                                            True, self.momentum, self.eps)
+        self.running_mean = self.running_var = None  # updated once, in the forward
         return y
 
     def stats(self, count: int) -> Moments:
         """The forward's statistics as moments (for a recomputation's output)."""
-        var = self.invstd.double().pow(-2).sub(self.call.eps).to(self.mean.dtype)
+        var = self.invstd.double().pow(-2).sub(self.eps).to(self.mean.dtype)
         n = self.mean.new_full((), count)
         return Moments(n, self.mean, var * n)
 
@@ -77,11 +79,11 @@ class _AcrossRanks:
 
     def __init__(self, call: BNCall, across_ranks: Callable[[Tensor], Moments],
                  reduce_sums: Callable[[Tensor], Tensor]) -> None:
-        self.call, self.across_ranks, self.reduce_sums = call, across_ranks, reduce_sums
+        self.eps, self.across_ranks, self.reduce_sums = call.eps, across_ranks, reduce_sums
         self.moments: Moments | None = None
 
     def _normalize(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-        return normalize_across_ranks(x, self.moments, weight, bias, self.call.eps, self.reduce_sums)
+        return normalize_across_ranks(x, self.moments, weight, bias, self.eps, self.reduce_sums)
 
     def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
         self.moments = self.across_ranks(x)
