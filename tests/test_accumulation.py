@@ -470,7 +470,7 @@ def test_values_per_channel_counted_over_samples_and_positions_like_torch(schedu
         compare(ref, ours, 1e-9)
 
 
-def test_auto_falls_back_to_passes_when_layerwise_runs_out_of_memory():
+def test_auto_falls_back_to_recompute_when_layerwise_runs_out_of_memory():
     ref = vgg(nn.Tanh).double()
     ours, batch = copy.deepcopy(ref), data((1, 16, 16), 8, torch.float64)
     whole_batch(ref, batch)
@@ -480,10 +480,11 @@ def test_auto_falls_back_to_passes_when_layerwise_runs_out_of_memory():
         if len(calls) == 3:  # the third micro-batch's forward under layerwise: the store is full
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return ce_loss(m, b)
-    with pytest.warns(RuntimeWarning, match="layerwise schedule ran out of memory .* using the passes schedule"):
+    with pytest.warns(RuntimeWarning, match="running the recompute schedule.*layerwise ran out of memory"):
         accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2)
+    assert accumnorm.last_schedule(ours).schedule == "recompute"
     compare(ref, ours, 1e-9)
-    assert len(calls) > 3  # passes ran the whole step again after the failure
+    assert len(calls) == 3 + 4  # recompute ran the whole step again after the failure
     with pytest.raises(torch.OutOfMemoryError):  # asked for by name, layerwise does not fall back
         calls.clear()
         accumnorm.backward(copy.deepcopy(ref), batch, loss_fn, micro_batch_size=2, schedule="layerwise")

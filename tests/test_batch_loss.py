@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 DT = torch.float64
 TOL = 1e-9
-EXACT = ("layerwise", "passes", "auto")
+EXACT = ("layerwise", "recompute", "passes", "auto")
 
 
 # ---------------------------------------------------------------- the oracle, independent of accumnorm's code
@@ -272,7 +272,7 @@ def test_ntxent_is_not_a_mean_over_micro_batches():
 
 
 # ---------------------------------------------------------------- 5: the per-micro-batch loss fails the oracle
-@pytest.mark.parametrize("schedule", ("layerwise", "passes"))
+@pytest.mark.parametrize("schedule", ("layerwise", "recompute", "passes"))
 def test_per_micro_batch_ntxent_fails_the_oracle(schedule):
     """Replace the whole-batch NT-Xent by its per-micro-batch mean (the loss_fn form, BatchNorm exact): the
     comparison with the whole-batch oracle fails by far. The tests above can fail."""

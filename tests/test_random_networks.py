@@ -384,7 +384,7 @@ def test_random_networks_match_whole_batch_in_every_schedule(spec):
         results[name] = m, accumnorm.backward(m, batch, loss_fn, micro_batch_size=spec["micro"], schedule=name)
     b, loss_b = results["passes"]
     noise = compare(ref, twin, float("inf"))
-    for name in ("layerwise",):
+    for name in ("layerwise", "recompute"):
         a, loss_a = results[name]
         errs = compare(a, b, float("inf"))
         worst = max(errs, key=lambda k: errs[k] / max(1e-9, SLACK * noise[k]))

@@ -331,7 +331,7 @@ class Branchy(nn.Module):
         return self.lin(x if x.shape[0] < 3 else self.b(x))
 
 
-@pytest.mark.parametrize("schedule", ["auto", "layerwise", "passes"])
+@pytest.mark.parametrize("schedule", ["auto", "layerwise", "recompute", "passes"])
 def test_micro_batches_making_different_batchnorm_calls_are_refused(schedule):
     model = Branchy()
     batch = data((4,), 8)

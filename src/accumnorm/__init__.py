@@ -7,6 +7,7 @@
 """
 from . import distributed, functional
 from ._engine.backward import backward
+from ._engine.budget import last_schedule
 from ._trainer import Trainer
 from .layers import (
     NORM_NAMES,
@@ -32,7 +33,7 @@ from .layers import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "backward", "Trainer", "distributed", "functional",
+    "backward", "last_schedule", "Trainer", "distributed", "functional",
     "BatchNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d",
     "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "LayerNorm",
     "BatchRenorm2d", "StaleBatchNorm2d", "FilterResponseNorm2d", "EvoNorm2dS0",

@@ -27,7 +27,8 @@ from torch.utils.checkpoint import checkpoint
 
 import accumnorm
 
-PATHS = {"layerwise": dict(schedule="layerwise"), "passes": dict(schedule="passes"), "micro": dict(bn="micro")}
+PATHS = {"layerwise": dict(schedule="layerwise"), "recompute": dict(schedule="recompute"),
+         "passes": dict(schedule="passes"), "micro": dict(bn="micro")}
 
 
 class Net(nn.Module):

@@ -12,7 +12,7 @@ __all__ = ["Batch", "BNMode", "Schedule", "check_args", "check_step_args", "spli
 
 Batch = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 BNMode = Literal["exact", "micro"]
-Schedule = Literal["auto", "layerwise", "passes"]
+Schedule = Literal["auto", "layerwise", "recompute", "passes"]
 
 
 def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedule: Any, *, forward_fn: Any = None,

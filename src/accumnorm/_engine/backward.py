@@ -24,6 +24,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
+from .auto import run_auto
+from .budget import Choice, check_budget, default_budget, figures, gradient_bytes, record_choice, signature
 from .forwards import step_forwards
 from .guards import check_every_call_seen, has_norm_statistics, refuse_node_backward_hooks, refuse_unseen_batch_norms
 from .interrupts import SigintDeferred
@@ -32,6 +34,7 @@ from .lockstep import layerwise
 from .objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
 from .passes import passes
 from .plain import plain
+from .recompute import RegionStateChanged, recompute
 from .rng import StepRng
 from .step import Step
 from .store import Store, resolve_store, store_for
@@ -58,6 +61,7 @@ def backward(
     store: str | torch.device | None = None,
     process_group: Any = None,
     grad_scaler: torch.amp.GradScaler | None = None,
+    memory_budget: int | None = None,
 ) -> Tensor:
     """Accumulate into `.grad` the gradient of the loss over `batch`, running the model one micro-batch at a time.
 
@@ -88,14 +92,23 @@ def backward(
             "micro": each micro-batch uses its own statistics, as plain accumulation does. Default: "exact".
         schedule: how exact mode runs. "layerwise": the micro-batches' forwards in lockstep on this thread,
             meeting at each BatchNorm call; about the cost of plain accumulation, keeping the whole batch's
-            saved tensors in `store`. "passes": 2L + 1 passes for L BatchNorm calls, the memory of one
-            micro-batch. "auto": layerwise, or passes if layerwise runs out of memory. Default: "auto".
+            saved tensors in `store`. "recompute": layerwise with the model cut into checkpointed regions
+            (``torch.utils.checkpoint``, made exact): it keeps the regions' inputs of the whole batch and
+            recomputes the rest in the backward, about one forward more (see docs/schedules.md).
+            "passes": 2L + 1 passes for L BatchNorm calls, the memory of one micro-batch. "auto": the first of
+            layerwise, recompute and passes whose memory fits `memory_budget`, judged from this model's
+            figures (measured at its first step, which runs metered and stops before it passes the budget);
+            on CUDA, an out-of-memory error sends the step to the next one too. `accumnorm.last_schedule(model)`
+            tells which ran and why; a warning says so the first time a model leaves layerwise. Default: "auto".
         store: where layerwise keeps the whole batch's saved tensors: None (the model's device on CPU, pinned
             host memory on CUDA), "cpu", or a torch.device. Default: None.
         process_group: with torch.distributed, `batch` is this rank's share of the global batch: statistics,
             sums, loss and gradients are reduced over the group (do not wrap the model in DDP as well; a
             DDP-wrapped model is unwrapped and its group used). Not with `batch_loss_fn`. Default: None.
         grad_scaler: a `torch.amp.GradScaler`: the loss is scaled by it before backward. Default: None.
+        memory_budget: the bytes "auto" lets a step keep for its backward (saved tensors and gradients); a
+            positive int. Default: None, a tenth less than the free memory of the model's device (on the CPU,
+            the available memory the kernel reports).
 
     Returns:
         The whole batch's loss, detached. On any error (an exception in your functions, a non-finite loss, a
@@ -112,6 +125,13 @@ def backward(
         random numbers of its own, are not reproducible (no value is ever drawn twice). A step cannot run
         inside another's `loss_fn`; a step on another thread can.
 
+    .. warning::
+        The recompute schedule (which "auto" may choose) runs each checkpointed region's forward again in the
+        backward, as ``torch.utils.checkpoint`` does: forward hooks and side effects of the modules inside a
+        region run twice, once in the forward and once in the backward. A region whose forward changes its
+        modules' attributes or buffers is found before the backward and the step runs under layerwise instead,
+        with a warning; random numbers are replayed (``preserve_rng_state``).
+
     Example::
 
         optimizer.zero_grad()
@@ -127,8 +147,11 @@ def backward(
     check_args(model, loss_fn, micro_batch_size, bn, schedule, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
                targets=targets)
     check_step_args(grad_scaler, process_group, whole_batch_loss=batch_loss_fn is not None)
+    check_budget(memory_budget)
     store_device = resolve_store(store)
     micro_batches, sizes = split(batch, micro_batch_size)
+    if memory_budget is not None:
+        _check_budget_fits_passes(model, memory_budget, micro_batches[0], sizes[0])
     collectives = Collectives(process_group)
     if batch_loss_fn is not None:
         objective = BatchLoss(forward_fn, batch_loss_fn, targets, grad_scaler, sizes)
@@ -142,14 +165,16 @@ def backward(
     # would update the running statistics a second time in the recomputation.
     exact = bn == "exact"
     if exact:
-        refuse_unseen_batch_norms(model, "passes" if schedule == "passes" else "layerwise")
+        refuse_unseen_batch_norms(model, schedule if schedule in ("passes", "recompute") else "layerwise")
         refuse_node_backward_hooks(model)
     store_hooks = store_for(store_device, _device(model))
+    budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(_device(model))
     _RUNNING.step = True
     try:
         with _room_for_the_steps_frames():
             return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
-                _run_exact(new_step, schedule, store_hooks, transaction) if exact else _run(plain, new_step())))
+                _run_exact(new_step, schedule, store_hooks, transaction, sum(sizes), budget) if exact
+                else _run(plain, new_step())))
     finally:
         _RUNNING.step = False
 
@@ -242,10 +267,26 @@ def _refuse_statistics(call: Any) -> Tensor:
     raise _NoStatistics
 
 
-def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None, transaction: Transaction) -> Step:
-    """The exact schedule asked for; under "auto", passes when layerwise runs out of memory."""
+def _check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, size: int) -> None:
+    """Refuse, before anything runs, a budget below what even the passes schedule needs: the step's gradients, and
+    one micro-batch's saved tensors where an earlier step measured them."""
+    per_sample = max((v for (key, _), v in figures(model).items() if key == signature(micro_batch)), default=None)
+    need = gradient_bytes(model) + (0 if per_sample is None else int(per_sample * size))
+    if budget < need:
+        raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs about {need} bytes "
+                         f"(the step's gradients{', and one micro-batch' if per_sample is not None else ''}); "
+                         "give a larger budget, or a smaller micro_batch_size")
+
+
+def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None, transaction: Transaction,
+               samples: int, budget: int | None) -> Step:
+    """The exact schedule asked for; under "auto", the first that fits the memory budget (`auto`)."""
     if schedule == "passes":
-        return _run(passes, new_step())
+        step = _run(passes, new_step())
+        record_choice(step.model, Choice("passes", "asked for"))
+        return step
+    if schedule == "recompute":
+        return _recompute_or_layerwise(new_step, store, transaction)
     step = new_step()
     if step.objective.whole and schedule == "auto" and not has_norm_statistics(step.model):
         # No layer with batch statistics: one micro-batch at a time (GradCache's scheme) is exact too, in the
@@ -256,17 +297,27 @@ def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None,
         except _NoStatistics:
             _start_over(step, transaction)
             step = new_step()
+    if schedule == "layerwise":
+        step = _run(lambda s: layerwise(s, store), step)
+        record_choice(step.model, Choice("layerwise", "asked for"))
+        return step
+    return run_auto(step, new_step, store, lambda s: _start_over(s, transaction), samples, budget)
+
+
+def _recompute_or_layerwise(new_step: Callable[[], Step], store: Store | None, transaction: Transaction) -> Step:
+    """The recompute schedule; layerwise, with a warning, where a region's forward changed its module's state."""
+    step = new_step()
     try:
-        return _run(lambda s: layerwise(s, store), step)
-    except torch.OutOfMemoryError as e:
-        if schedule == "layerwise":
-            raise
-        refuse_unseen_batch_norms(step.model, "passes")
+        step = _run(lambda s: recompute(s, store), step)
+        record_choice(step.model, Choice("recompute", "asked for"))
+        return step
+    except RegionStateChanged as e:
         _start_over(step, transaction)
-        warnings.warn(f"accumnorm.backward: the layerwise schedule ran out of memory ({e}); using the passes "
-                      "schedule, which holds one micro-batch at a time (store='cpu' may let layerwise fit)",
+        warnings.warn(f"accumnorm.backward: {e}; using the layerwise schedule, which runs every forward once",
                       RuntimeWarning, stacklevel=5)
-        return _run(passes, new_step())
+        step = _run(lambda s: layerwise(s, store), new_step())
+        record_choice(step.model, Choice("layerwise", f"recompute was asked for, but {e}"))
+        return step
 
 
 def _start_over(step: Step, transaction: Transaction) -> None:

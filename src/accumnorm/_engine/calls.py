@@ -64,6 +64,7 @@ class BNCall:
     # call on the layer's tensors, which torch counts nowhere).
     counted: bool = False
     stats: Moments | None = None  # the whole batch's statistics, once the micro-batches have met
+    saved_tensor_hooks: tuple[tuple[Any, Any], ...] = ()  # the micro-batch's at the call (set by layerwise)
 
 
 @dataclass(eq=False)

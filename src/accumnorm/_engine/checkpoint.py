@@ -17,6 +17,7 @@ statistic moves). The wrapper lives on the frame, which lives as long as the ste
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ from torch import Tensor
 from .calls import BNCall, INCall, NormCalls
 from .threadstate import saved_tensor_hooks
 
-__all__ = ["Regions"]
+__all__ = ["Regions", "in_region", "region_frames"]
 
 Recompute = Callable[[Tensor], Tensor]
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
@@ -39,16 +40,20 @@ class Regions:
 
     def __init__(self, norm_calls: Callable[..., NormCalls]) -> None:
         self.norm_calls = norm_calls
-        # id(frame) -> (frame, its calls in order, the frame's own recompute_fn)
-        self.calls: dict[int, tuple[Any, list[Recompute], Any]] = {}
+        # id(frame) -> (a weak reference to the frame, its calls in order, the frame's own recompute_fn). Weak: a
+        # frame holds its region's inputs, which the backward frees region by region as it goes down, as torch's
+        # checkpoint would.
+        self.calls: dict[int, tuple[weakref.ref, list[Recompute], Any]] = {}
 
     def enter_forward_call(self, recompute: Recompute, hooks: tuple[tuple[Any, Any], ...] | None = None) -> None:
         """Record a forward call, with how to give its output again, in every region it is made in (`hooks`: the
         thread's saved-tensor hooks, when the caller has just read them)."""
         for frame in _forward_regions(saved_tensor_hooks() if hooks is None else hooks):
-            entry = self.calls.get(id(frame))
-            if entry is None:
-                entry = self.calls[id(frame)] = (frame, [], frame.recompute_fn)
+            key = id(frame)
+            entry = self.calls.get(key)
+            if entry is None or entry[0]() is not frame:
+                entry = self.calls[key] = (weakref.ref(frame, lambda _, key=key: self.calls.pop(key, None)), [],
+                                           frame.recompute_fn)
                 self._recompute_in_step(frame, entry[1])
             entry[1].append(recompute)
 
@@ -67,7 +72,12 @@ class Regions:
                 return recompute(call.input)
 
             with self.norm_calls(batch_norm, INCall.output):  # InstanceNorm: the same output, no update
-                return original(*args)
+                out = original(*args)
+            # Ran to its end (torch's early stop ends it with an exception once everything is saved again).
+            if next(pending, None) is not None:
+                raise ValueError("bn='exact': a checkpointed region's recomputation made fewer BatchNorm calls than "
+                                 "its forward; the region's function must make the same calls each time")
+            return out
 
         frame.recompute_fn = recompute_fn
 
@@ -77,10 +87,27 @@ class Regions:
         A recorded call holds the whole batch's graph, which holds the region's frame through its saved tensors: a
         cycle through autograd's C++ graph, which Python's collector cannot see. A step that fails before its
         backward would keep it, and every tensor of its forwards, for good."""
-        for frame, recorded, own in self.calls.values():
+        for ref, recorded, own in list(self.calls.values()):
             recorded.clear()
-            frame.recompute_fn = own
+            frame = ref()
+            if frame is not None:
+                frame.recompute_fn = own
         self.calls.clear()
+
+
+def in_region(hooks: tuple[tuple[Any, Any], ...]) -> bool:
+    """Whether a point with these saved-tensor hooks is inside the forward of a checkpointed region."""
+    return any(_is_forward_hook(pack) for pack, _ in hooks)
+
+
+def region_frames(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
+    """The `_CheckpointFrame`s of the regions whose forward encloses a point with these hooks, outermost first."""
+    return _forward_regions(hooks)
+
+
+def _is_forward_hook(pack: Any) -> bool:
+    fn = inspect.unwrap(pack)
+    return getattr(fn, "__qualname__", "") == _FORWARD_HOOK and fn.__module__ == "torch.utils.checkpoint"
 
 
 def _forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
@@ -88,9 +115,9 @@ def _forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
     `hooks`), outermost first."""
     frames = []
     for pack, _ in hooks:
-        fn = inspect.unwrap(pack)
-        if getattr(fn, "__qualname__", "") != _FORWARD_HOOK or fn.__module__ != "torch.utils.checkpoint":
+        if not _is_forward_hook(pack):
             continue
+        fn = inspect.unwrap(pack)
         cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
         frame = cells["frame"].cell_contents if "frame" in cells else None
         if not hasattr(frame, "recompute_fn"):

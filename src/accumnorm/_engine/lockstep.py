@@ -27,6 +27,7 @@ region's place, as the call in the forward, which ran in the driver.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -45,8 +46,8 @@ __all__ = ["layerwise"]
 class _Lockstep:
     """The driver and the K coroutines of one step (module doc)."""
 
-    def __init__(self, step: Step, store: Store | None) -> None:
-        self.step, self.store = step, store
+    def __init__(self, step: Step, store: Store | None, before_backward: Callable[[], None] | None) -> None:
+        self.step, self.store, self.before_backward = step, store, before_backward
         self.driver = greenlet.getcurrent()
         self.coroutines: list[greenlet.greenlet] = []
         self.current: int | None = None  # the micro-batch whose forward runs now
@@ -59,6 +60,8 @@ class _Lockstep:
                 roots = self._forwards()
         finally:
             self.step.graphs.clear()  # checked: the graphs' nodes are the backward's to free
+        if self.before_backward is not None:
+            self.before_backward()
         if roots:
             # One backward over every micro-batch: each met call's backward needs all K gradients at once.
             self.step.backward(roots)
@@ -154,6 +157,7 @@ class _Lockstep:
             raise RuntimeError(f"bn='exact' met a BatchNorm call outside the micro-batches' forwards "
                                f"({self.step.describe(call)})")
         own = ThreadState.capture(call.modes)
+        call.saved_tensor_hooks = own.saved_tensor_hooks
         try:
             self.base.apply(own)
             y, recompute = self.driver.switch(call)  # the driver comes back once all K have met, in its state
@@ -184,6 +188,7 @@ class _Lockstep:
         self.base.apply(ThreadState.capture())
 
 
-def layerwise(step: Step, store: Store | None) -> None:
-    """Exact BatchNorm with the micro-batches in lockstep (module doc); fills `step.losses` and the step's calls."""
-    _Lockstep(step, store).run()
+def layerwise(step: Step, store: Store | None, before_backward: Callable[[], None] | None = None) -> None:
+    """Exact BatchNorm with the micro-batches in lockstep (module doc); fills `step.losses` and the step's calls.
+    `before_backward()` runs once the forwards are over, before the backward (a check that may raise)."""
+    _Lockstep(step, store, before_backward).run()

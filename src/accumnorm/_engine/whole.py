@@ -3,7 +3,8 @@
 The pieces' inputs are concatenated into the whole batch's input, which torch's own `batch_norm` normalizes
 (its statistics, backward and running-statistics update, as one forward of the whole batch would make
 them; across ranks, `joint.normalize_across_ranks`). Each micro-batch goes on with its rows of the output.
-A checkpointed region gives a piece's output again in its recomputation (`Recompute`).
+A checkpointed region gives a piece's output again in its recomputation (`Recompute`). A call made inside such
+regions goes to `pieces`, which keeps each piece's input in its region's place instead of the whole batch's.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from torch import Tensor
 
 from ..functional import Moments, moments
 from .calls import BNCall
+from .checkpoint import in_region
 from .joint import normalize_across_ranks
+from .pieces import normalize_pieces
 from .sums import normalize_with
 
 __all__ = ["normalize_whole", "Recompute"]
@@ -29,6 +32,9 @@ def normalize_whole(calls: Sequence[BNCall], momentum: float | None,
     of every rank's input (and updates the running statistics later) and `reduce_sums` sums the backward's sums.
     """
     first = calls[0]
+    if any(c.saved_tensor_hooks and in_region(c.saved_tensor_hooks) for c in calls):
+        outputs, stats = normalize_pieces(calls, momentum, across_ranks, reduce_sums)
+        return outputs, Recompute(first, None, stats, outputs[0].requires_grad, keeps_input=True)
     x = first.input if len(calls) == 1 else torch.cat([c.input for c in calls])
     if across_ranks is None:
         stats = None
@@ -47,18 +53,31 @@ def normalize_whole(calls: Sequence[BNCall], momentum: float | None,
 
 class Recompute:
     """A piece's output of a met call, again, from its input: for a checkpointed region's recomputation, which runs
-    in the backward and must neither update the running statistics nor save anything in the region's place (the
-    forward's call saved nothing there: it ran in the driver)."""
+    in the backward and must not update the running statistics. It saves in the region's place what the forward's
+    call saved there: nothing when the call ran in the driver (`whole`), the piece's input when it was kept in the
+    region's place (`pieces`, `keeps_input`). It holds the call's parameters and statistics, not its input."""
 
-    def __init__(self, call: BNCall, whole_input: Tensor, stats: Moments | None, requires_grad: bool) -> None:
-        self.call, self.whole_input, self.stats, self.requires_grad = call, whole_input, stats, requires_grad
+    def __init__(self, call: BNCall, whole_input: Tensor | None, stats: Moments | None, requires_grad: bool,
+                 keeps_input: bool = False) -> None:
+        self.weight, self.bias, self.eps = call.weight, call.bias, call.eps
+        self.shape, self.dtype = call.input.shape[1:], call.input.dtype
+        self.whole_input, self.stats, self.requires_grad = whole_input, stats, requires_grad
+        self.keeps_input = keeps_input
 
     def __call__(self, x: Tensor) -> Tensor:
-        call = self.call
+        if x.shape[1:] != self.shape or x.dtype != self.dtype:
+            raise ValueError(f"bn='exact': a checkpointed region's recomputation made another BatchNorm call than its "
+                             f"forward (an input of {tuple(x.shape[1:])} {x.dtype} where the forward's was "
+                             f"{tuple(self.shape)} {self.dtype}); the region's function must make the same calls "
+                             "each time")
+        if self.keeps_input:
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if hooks is not None:
+                hooks[0](x)  # the recomputation's pack hook: the piece, where the forward's call saved it
         with torch.no_grad():
             if self.stats is None:  # the whole batch's statistics, as torch's kernel computed them in the forward
                 self.stats = moments(self.whole_input)
                 self.whole_input = None
-            y = normalize_with(x, self.stats.mean, self.stats.var, call.weight, call.bias, call.eps)
+            y = normalize_with(x, self.stats.mean, self.stats.var, self.weight, self.bias, self.eps)
         # Not a leaf: the region may go on in place (ReLU(inplace=True)); a clone saves nothing either.
         return y.requires_grad_().clone() if self.requires_grad else y

@@ -1,0 +1,82 @@
+"""schedule="auto": layerwise if its memory fits the budget, recompute if that fits, passes otherwise (`budget`).
+
+Each schedule is judged by this model's figure for batches of this shape, when an earlier step measured one,
+before it runs; without a figure it runs metered, and stops once what it keeps would pass the budget. On
+CUDA, an out-of-memory error sends the step to the next schedule as well. What ran and why is kept for
+`accumnorm.last_schedule(model)`; the first time a model leaves layerwise for lack of memory, a warning says so.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from .budget import Choice, Meter, OverBudget, figures, gradient_bytes, record_choice, signature
+from .guards import refuse_unseen_batch_norms
+from .lockstep import layerwise
+from .passes import passes
+from .recompute import RegionStateChanged, recompute
+from .step import Step
+from .store import Store
+
+__all__ = ["run_auto"]
+
+_SCHEDULES = {"layerwise": layerwise, "recompute": recompute}
+_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models told once that auto left layerwise
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def run_auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_over: Callable[[Step], None],
+             samples: int, budget: int | None) -> Step:
+    """Run the step under the first schedule that fits `budget` (None: any fits); fills the step as that one does."""
+    model = step.model
+    key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
+    known = figures(model)
+    reasons: list[str] = []
+    for name, schedule in _SCHEDULES.items():
+        per_sample = known.get((key, name))
+        need = None if per_sample is None else grads + int(per_sample * samples)
+        if need is not None and budget is not None and need > budget:
+            reasons.append(f"{name} would keep about {_mib(need)} (measured at an earlier step)")
+            continue
+        meter = Meter(None if budget is None else budget - grads, store) if per_sample is None else None
+        try:
+            schedule(step, meter or store)
+        except OverBudget:
+            known[(key, name)] = meter.bytes / samples
+            reasons.append(f"{name} kept more than {_mib(budget)} by the middle of its forward")
+        except torch.OutOfMemoryError as e:
+            reasons.append(f"{name} ran out of memory ({e})")
+        except RegionStateChanged as e:
+            reasons.append(str(e))
+        else:
+            if meter is not None:
+                known[(key, name)] = meter.bytes / samples
+                need = grads + meter.bytes
+            why = "it fits the memory budget" if not reasons else "; ".join(reasons)
+            record_choice(model, Choice(name, why, need, budget))
+            _tell(model, name, reasons, budget)
+            return step
+        start_over(step)
+        step = new_step()
+    refuse_unseen_batch_norms(model, "passes")
+    record_choice(model, Choice("passes", "; ".join(reasons), None, budget))
+    _tell(model, "passes", reasons, budget)
+    passes(step)
+    return step
+
+
+def _tell(model: nn.Module, name: str, reasons: list[str], budget: int | None) -> None:
+    if name == "layerwise" or model in _WARNED:
+        return
+    _WARNED.add(model)
+    within = "" if budget is None else f" within the memory budget of {_mib(budget)}"
+    warnings.warn(f"accumnorm.backward(schedule='auto'): running the {name} schedule{within}: {'; '.join(reasons)}. "
+                  "accumnorm.last_schedule(model) tells what each step ran; this warning is given once per model",
+                  RuntimeWarning, stacklevel=6)

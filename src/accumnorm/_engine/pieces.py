@@ -1,0 +1,164 @@
+"""A met BatchNorm call inside checkpointed regions: each micro-batch's input kept in that micro-batch's place.
+
+`whole` runs a met call in the driver, outside every region: torch's `batch_norm` on the concatenated input
+saves the whole batch's input for its backward, so a checkpointed model would still keep every BatchNorm
+input of every micro-batch. When a piece comes from inside a `checkpoint(use_reentrant=False)` region, the
+call is instead one autograd.Function over the K pieces (`normalize_pieces`). Its forward is torch's own
+`native_batch_norm` on the whole batch (statistics, running-statistics update, output); it saves each piece
+with the saved-tensor hooks its micro-batch had at the call, which inside a region keep a placeholder of the
+region's checkpoint. The region's recomputation saves the piece again at the same place (`whole.Recompute`
+with `keeps_input`), so the backward's unpack gets it back; the backward is BatchNorm's, with the forward's
+mean and inverse standard deviation, over the pieces one at a time (the sums over the whole batch, then each
+piece's input gradient), so that it makes no concatenated copy of the whole batch's input or gradient. Across the
+ranks of a process group, the same, with `joint.normalize_across_ranks` run again, differentiably, in the
+backward on the recomputed input and the forward's statistics.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..functional import Moments
+from .calls import BNCall
+from .joint import normalize_across_ranks
+from .sums import channel_shape
+
+__all__ = ["normalize_pieces"]
+
+class _Local:
+    """The whole batch's normalization on this process: torch's kernel forward; a backward piece by piece."""
+
+    def __init__(self, call: BNCall, momentum: float | None) -> None:
+        # Not the call: it holds micro-batch 0's input, which the backward must not find kept here.
+        self.running_mean, self.running_var, self.eps = call.running_mean, call.running_var, call.eps
+        self.momentum = 0.0 if momentum is None else momentum
+        self.mean = self.invstd = None
+
+    def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        y, self.mean, self.invstd = torch.native_batch_norm(x, weight, bias, self.running_mean, self.running_var,
+                                                            True, self.momentum, self.eps)
+        self.running_mean = self.running_var = None  # updated once, in the forward
+        return y
+
+    def stats(self, count: int) -> Moments:
+        """The forward's statistics as moments (for a recomputation's output)."""
+        var = self.invstd.double().pow(-2).sub(self.eps).to(self.mean.dtype)
+        n = self.mean.new_full((), count)
+        return Moments(n, self.mean, var * n)
+
+    def backward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
+                 needs: tuple[bool, bool, bool]) -> tuple[Any, ...]:
+        """BatchNorm's backward with the forward's mean and invstd, over the pieces one at a time: no tensor of the
+        whole batch beyond the input gradient (the concatenated input would be one more)."""
+        mean, invstd, shape = self.mean, self.invstd, channel_shape(xs[0])
+        dims = [0, *range(2, xs[0].dim())]
+        sum_dy, sum_dy_xmu, count = torch.zeros_like(mean), torch.zeros_like(mean), 0
+        for x, dy in zip(xs, dys):
+            d = dy.to(mean.dtype)
+            sum_dy += d.sum(dims)
+            sum_dy_xmu += (d * (x.to(mean.dtype) - mean.view(shape))).sum(dims)
+            count += x.numel() // x.shape[1]
+        dw = sum_dy_xmu * invstd if needs[1] else None
+        db = sum_dy if needs[2] else None
+        dxs = None
+        if needs[0]:
+            # dx = scale * (dy - (sum_dy + x_hat * sum(dy * x_hat)) / N) as dy * scale + x * slope + offset
+            scale = invstd if weight is None else invstd * weight.detach().to(invstd.dtype)
+            slope = -scale * invstd * invstd * sum_dy_xmu / count
+            offset = -scale * sum_dy / count - slope * mean
+            dxs = [torch.addcmul(offset.view(shape), x.to(mean.dtype), slope.view(shape))
+                   .addcmul_(dy.to(mean.dtype), scale.view(shape)).to(x.dtype) for x, dy in zip(xs, dys)]
+        return dxs, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
+
+
+class _AcrossRanks:
+    """The whole batch's normalization over the ranks of a process group (`joint`), with the forward's statistics."""
+
+    def __init__(self, call: BNCall, across_ranks: Callable[[Tensor], Moments],
+                 reduce_sums: Callable[[Tensor], Tensor]) -> None:
+        self.eps, self.across_ranks, self.reduce_sums = call.eps, across_ranks, reduce_sums
+        self.moments: Moments | None = None
+
+    def _normalize(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        return normalize_across_ranks(x, self.moments, weight, bias, self.eps, self.reduce_sums)
+
+    def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        self.moments = self.across_ranks(x)
+        return self._normalize(x, weight, bias)
+
+    def stats(self, count: int) -> Moments:
+        return self.moments
+
+    def backward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
+                 needs: tuple[bool, bool, bool]) -> tuple[Any, ...]:
+        x, dy = torch.cat(xs), torch.cat(dys)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) if t is not None else None
+                      for t, need in zip((x, weight, bias), needs)]
+            y = self._normalize(*leaves)
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(y, wanted, dy) if wanted else ())
+        dx, dw, db = (next(grads) if t is not None and t.requires_grad else None for t in leaves)
+        return None if dx is None else list(dx.split([p.shape[0] for p in xs])), dw, db
+
+
+def _pack(hooks: tuple[tuple[Any, Any], ...], x: Tensor) -> tuple[Any, Any, int]:
+    """Save piece `x` as autograd would where its micro-batch made the call: with the top of its hooks, if any."""
+    if hooks:
+        pack, unpack = hooks[-1]
+        return unpack, pack(x), 0
+    return None, x, x._version
+
+
+def _unpack(saved: tuple[Any, Any, int], k: int) -> Tensor:
+    unpack, packed, version = saved
+    if unpack is not None:
+        return unpack(packed)
+    if packed._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: micro-batch {k}'s input of a BatchNorm call is at version {packed._version}; "
+                           f"expected version {version} instead")
+    return packed
+
+
+class _MetCall(torch.autograd.Function):
+    """The K pieces of a BatchNorm call normalized as one batch, each kept in its micro-batch's place (module doc)."""
+
+    @staticmethod
+    def forward(ctx, norm, hooks, weight, bias, *pieces):  # type: ignore[override]
+        x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        y = norm.forward(x, weight, bias)
+        del x
+        ctx.norm, ctx.sizes = norm, [p.shape[0] for p in pieces]
+        ctx.pieces = [_pack(h, p) for h, p in zip(hooks, pieces)]
+        ctx.save_for_backward(weight, bias)
+        # Not views: a micro-batch may change its rows in place, as after `whole`'s unsafe split.
+        return tuple([y] if len(pieces) == 1 else y.unsafe_split_with_sizes(ctx.sizes))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):  # type: ignore[override]
+        saved, ctx.pieces = ctx.pieces, None
+        pieces = [_unpack(s, k) for k, s in enumerate(saved)]
+        del saved
+        weight, bias = ctx.saved_tensors
+        dys = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, pieces)]
+        needs = (any(ctx.needs_input_grad[4:]), weight is not None and ctx.needs_input_grad[2],
+                 bias is not None and ctx.needs_input_grad[3])
+        dxs, dw, db = ctx.norm.backward(pieces, weight, bias, dys, needs)
+        return (None, None, dw, db, *([None] * len(pieces) if dxs is None else dxs))
+
+
+def normalize_pieces(calls: Sequence[BNCall], momentum: float | None,
+                     across_ranks: Callable[[Tensor], Moments] | None = None,
+                     reduce_sums: Callable[[Tensor], Tensor] | None = None) -> tuple[list[Tensor], Moments]:
+    """The K pieces' outputs of one BatchNorm call of the whole batch, each piece's input saved in its micro-batch's
+    place (module doc); and the call's statistics, for a region's recomputation."""
+    first = calls[0]
+    norm = _Local(first, momentum) if across_ranks is None else _AcrossRanks(first, across_ranks, reduce_sums)
+    outputs = _MetCall.apply(norm, [c.saved_tensor_hooks for c in calls], first.weight, first.bias,
+                             *[c.input for c in calls])
+    return list(outputs), norm.stats(sum(c.input.shape[0] for c in calls) * first.input[0, 0].numel())

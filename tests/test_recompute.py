@@ -1,0 +1,209 @@
+"""The recompute schedule and "auto"'s choice by memory, against whole-batch torch (the oracle suites run recompute
+too, through the `schedule` fixture): what it keeps for the backward, its refusals, the budget and its errors."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointError
+
+import accumnorm
+from helpers import SavedBytes, assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
+from models import data
+
+
+class Block(nn.Module):
+    """A residual block: conv-BN-tanh-conv-BN, added to its input."""
+
+    def __init__(self, c: int = 8, p: float = 0.0) -> None:
+        super().__init__()
+        self.c1, self.b1, self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), \
+            nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.p = p
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.b1(self.c1(x))), self.p, self.training)
+        return x + self.b2(self.c2(h))
+
+
+def net(block=Block, **kwargs) -> nn.Sequential:
+    """A stem and six blocks: the recompute schedule checkpoints the blocks (all but the last)."""
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh(),
+                         *[block(**kwargs) for _ in range(6)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 10)).double()
+
+
+def saved_peak(model: nn.Module, batch, schedule: str) -> int:
+    """The peak bytes the step keeps for its backward outside checkpointed regions."""
+    with SavedBytes(model.parameters()) as saved:
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    return saved.peak
+
+
+def test_recompute_is_exact_and_keeps_a_fraction_of_what_layerwise_keeps():
+    """Only the blocks' inputs and the stem stay for the backward: the BatchNorm inputs inside the blocks are not
+    kept in the driver either (they are saved in their regions' place)."""
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    layerwise = saved_peak(copy.deepcopy(model), batch, "layerwise")
+    with SavedBytes(model.parameters()) as saved:
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert saved.peak < 0.5 * layerwise, (saved.peak, layerwise)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_recompute_draws_the_dropout_masks_layerwise_draws():
+    """Dropout inside the regions: the recomputation replays the forward's draws, from each micro-batch's stream."""
+    model, batch = net(p=0.3), data((1, 8, 8), 8, torch.float64)
+    results = []
+    for schedule in ("layerwise", "recompute", "layerwise"):
+        m = copy.deepcopy(model)
+        torch.manual_seed(3 if len(results) < 2 else 4)
+        results.append((m, accumnorm.backward(m, batch, ce_loss, micro_batch_size=2, schedule=schedule)))
+    (a, loss_a), (b, loss_b), (c, _) = results
+    assert rel_err(loss_b, loss_a) < 1e-12
+    compare(a, b, 1e-9)
+    with pytest.raises(AssertionError):  # another seed, other masks: the comparison above can fail
+        compare(a, c, 1e-3)
+
+
+def test_hooks_inside_a_region_run_again_in_its_recomputation():
+    """As the docstring's warning says: a region's modules run in the forward and again in the backward."""
+    model, batch = net(), data((1, 8, 8), 8, torch.float64)
+    calls = {"first": 0, "last": 0}
+    model[3].b1.register_forward_hook(lambda *a: calls.__setitem__("first", calls["first"] + 1))
+    model[8].b1.register_forward_hook(lambda *a: calls.__setitem__("last", calls["last"] + 1))
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert calls == {"first": 8, "last": 4}  # the last block is no region: the backward recomputes nothing there
+
+
+class Counting(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+class Tracking(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("block, what", [(Counting, "set its attribute 'calls'"),
+                                         (Tracking, "changed its buffer 'seen'")])
+def test_a_region_that_changes_its_state_runs_under_layerwise_with_a_warning(block, what):
+    model, batch = net(block), data((1, 8, 8), 8, torch.float64)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match=f"{what}.*recomputation would not be exact.*using the layerwise"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "layerwise"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_a_region_whose_recomputation_makes_more_batchnorm_calls_is_refused_and_changes_nothing():
+    calls: dict[int, int] = {}
+
+    class Unsteady(Block):
+        """Normalizes its input first from its fifth call on: in its recomputation, not in the step's 4 forwards."""
+
+        def forward(self, x):
+            calls[id(self)] = calls.get(id(self), 0) + 1
+            return super().forward(self.b1(x) if calls[id(self)] > 4 else x)
+
+    model, batch = net(Unsteady), data((1, 8, 8), 8, torch.float64)
+    snap = snapshot(model)
+    # The extra call takes the first call's recorded output, and torch's checkpoint finds what it saves misplaced.
+    with pytest.raises(CheckpointError, match="different metadata"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert_unchanged(model, snap)
+
+
+# ---------------------------------------------------------------- "auto" and memory_budget
+
+
+def figures(model: nn.Module, batch) -> tuple[int, int, int]:
+    """Gradient bytes, and what layerwise and recompute keep for the backward, measured on copies of `model`."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    return grads, saved_peak(copy.deepcopy(model), batch, "layerwise"), saved_peak(copy.deepcopy(model), batch,
+                                                                                  "recompute")
+
+
+def test_auto_runs_recompute_where_layerwise_would_pass_the_budget_exactly_and_says_so():
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    grads, layerwise, recompute = figures(model, batch)
+    budget = grads + (layerwise + recompute) // 2
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="running the recompute schedule within the memory budget.*layerwise"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "recompute" and choice.budget == budget and "layerwise" in choice.reason
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+    # The next step knows the figures: straight to recompute, exact again, and no second warning.
+    for m in (model, ref):
+        m.zero_grad()
+    expected = whole_batch(ref, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert "measured at an earlier step" in accumnorm.last_schedule(model).reason
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_auto_runs_passes_where_recompute_would_pass_the_budget_too():
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    grads, _, recompute = figures(model, batch)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + recompute // 2)
+    assert accumnorm.last_schedule(model).schedule == "passes"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_auto_with_room_runs_layerwise():
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=2**40)
+    assert accumnorm.last_schedule(model).schedule == "layerwise"
+
+
+@pytest.mark.parametrize("budget, exc, words", [
+    ("1GB", TypeError, ["memory_budget", "int", "str"]),
+    (1.5e9, TypeError, ["memory_budget", "float"]),
+    (True, TypeError, ["memory_budget", "bool"]),
+    (0, ValueError, ["memory_budget", "positive", "0"]),
+    (-5, ValueError, ["memory_budget", "positive", "-5"]),
+    (1000, ValueError, ["memory_budget is 1000 bytes", "passes schedule needs about", "gradients"]),
+])
+def test_a_bad_memory_budget_is_refused_before_anything_runs(budget, exc, words):
+    model, batch = net(), data((1, 8, 8), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)
+    snap, state = snapshot(model), torch.random.get_rng_state()
+    with pytest.raises(exc) as error:
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    assert all(w in str(error.value) for w in words), str(error.value)
+    assert_unchanged(model, snap)
+    assert torch.equal(torch.random.get_rng_state(), state)
