@@ -16,8 +16,7 @@ its own) normalizes one micro-batch alone. Both show in the autograd graph, and 
 
 `check([(k, result), ...])` walks micro-batch k's graph from its loss or outputs, for each k given, and raises
 a ValueError naming what it found. Nodes made before the step, or by the driver, belong to no micro-batch: the
-K graphs may share them (parameters, a tensor computed before the step), and so may autocast's cached casts of
-a parameter, made in one micro-batch's turn and the same for all.
+K graphs may share them (parameters, a tensor computed before the step).
 """
 from __future__ import annotations
 
@@ -109,7 +108,7 @@ class Graphs:
             node = stack.pop()
             first = walked.get(node)
             if first is not None:
-                if first != k and owner(node) not in (None, k) and not _cast_of_a_leaf(node):
+                if first != k and owner(node) not in (None, k):
                     shared.append((k, node))
                 continue
             walked[node] = k
@@ -119,7 +118,7 @@ class Graphs:
                     stack.append(own[k])
                 continue
             made_by = owner(node)
-            if made_by is not None and made_by != k and not _cast_of_a_leaf(node):
+            if made_by is not None and made_by != k:
                 shared.append((k, node))
             if type(node).__name__ in _BATCH_NORM_NODES and getattr(node, "_saved_training", True) \
                     and node not in self.seen:
@@ -161,12 +160,3 @@ class Graphs:
                 if isinstance(value, Tensor) and value.grad_fn is node:
                     return f", kept in the module attribute {name + '.' if name else ''}{attr}"
         return ", kept outside the model: a global, a closure or another object"
-
-
-def _cast_of_a_leaf(node: Any) -> bool:
-    """A parameter's cast that autocast made in one micro-batch's turn and caches for the others: the same values
-    in every micro-batch, as in one forward of the whole batch."""
-    if type(node).__name__ != "ToCopyBackward0":
-        return False
-    edges = node.next_functions
-    return len(edges) == 1 and edges[0][0] is not None and type(edges[0][0]).__name__ == "AccumulateGrad"
