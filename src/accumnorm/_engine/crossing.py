@@ -87,9 +87,15 @@ class Graphs:
         self.seen.clear()
 
     def owner(self, node: Any) -> int | None:
-        """The micro-batch that made `node`, or None (made before the step, between turns, or a leaf's)."""
+        """The micro-batch that made `node`, or None (made before the step, between turns, or a leaf's; or a cast of
+        a leaf, which autocast's cache makes once for every micro-batch and which depends on no sample)."""
         i = bisect_right(self.starts, node._sequence_nr()) - 1
-        return self.owners[i] if i >= 0 else None
+        if i < 0 or self.owners[i] is None:
+            return None
+        if type(node).__name__ == "ToCopyBackward0" and all(
+                n is None or type(n).__name__ == "AccumulateGrad" for n, _ in node.next_functions):
+            return None
+        return self.owners[i]
 
     def check(self, results: Sequence[tuple[int, Any]]) -> None:
         """Walk each micro-batch k's graph from its `result` (its loss, or its outputs): raise on another
