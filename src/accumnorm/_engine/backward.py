@@ -117,7 +117,10 @@ def backward(
     .. warning::
         Under the layerwise schedule each micro-batch's forward runs once, interleaved with the others at every
         BatchNorm call; under passes 2L + 1 times; with a whole-batch loss and one micro-batch at a time (plain,
-        `bn="micro"`), twice. Your functions should depend on their arguments only. Every micro-batch draws its
+        `bn="micro"`), twice. Your functions should depend on their arguments only: a tensor one micro-batch
+        leaves in shared Python state (a hook's stash, a module attribute, a global) and another uses is refused,
+        but a value without autograd history (a counter, a flag, a ``threading.local``) read after a BatchNorm call
+        may be another micro-batch's (docs/exact-covers.md). Every micro-batch draws its
         random numbers from a stream of its own, the same in every run of it and under every schedule; the
         caller's generators advance by one draw per step, whatever the split. torch's generators are
         process-wide: a draw another thread makes while a micro-batch's forward runs (between two of its
