@@ -137,7 +137,8 @@ def test_misuse_raises_before_any_step(misuse):
 @pytest.mark.parametrize("options, error, message", [
     (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
     (dict(micro_batch_size=2, bn="exactly"), ValueError, "bn must be one of ('exact', 'micro'), got 'exactly'"),
-    (dict(micro_batch_size=2, schedule="fast"), ValueError, "schedule must be one of ('auto', 'layerwise', 'passes')"),
+    (dict(micro_batch_size=2, schedule="fast"), ValueError,
+     "schedule must be one of ('auto', 'layerwise', 'recompute', 'passes')"),
     (dict(micro_batch_size=2, store=3), TypeError, "store must be None, 'cpu' or a torch.device, got int 3"),
 ])
 def test_bad_arguments_fail_when_the_module_is_made(options, error, message):

@@ -48,7 +48,8 @@ def _unchanged(trainer, before):
     (dict(micro_batch_size=2.5), TypeError, "micro_batch_size must be an int, got float 2.5"),
     (dict(micro_batch_size=True), TypeError, "micro_batch_size must be an int, got bool True"),
     (dict(bn="exactly"), ValueError, r"bn must be one of \('exact', 'micro'\), got 'exactly'"),
-    (dict(schedule="fast"), ValueError, r"schedule must be one of \('auto', 'layerwise', 'passes'\), got 'fast'"),
+    (dict(schedule="fast"), ValueError,
+     r"schedule must be one of \('auto', 'layerwise', 'recompute', 'passes'\), got 'fast'"),
     (dict(store="disk"), ValueError, "store must be None, 'cpu' or a torch.device, got the string 'disk'"),
 ])
 def test_trainer_and_load_refuse_what_backward_would_refuse(tmp_path, kwargs, error, message):

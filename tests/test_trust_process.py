@@ -204,9 +204,12 @@ def test_a_draw_between_a_micro_batchs_turns_is_not_drawn_again():
     assert values.unique().numel() == values.numel()
 
 
-def test_another_threads_random_numbers_are_never_repeated_by_steps(schedule):
-    """A thread that draws while this one runs steps with dropout: no value comes twice (float64 draws: a repeat by
-    chance is out of the question), whenever its draws land."""
+def test_another_threads_random_numbers_are_never_repeated_by_layerwise_steps():
+    """A thread that draws while this one runs layerwise steps with dropout: no value comes twice (float64 draws: a
+    repeat by chance is out of the question), whenever its draws land. (A schedule that runs a micro-batch's forward
+    again, passes or recompute's regions, replays its stream as torch's checkpoint does: a draw of another thread
+    during a replay may repeat a value, as the docs say.)"""
+    schedule = "layerwise"
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 16),
                           nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 10))
     batch = data((6,), 16)

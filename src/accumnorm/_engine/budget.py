@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.nn.parameter import is_lazy
 
 from .._dist import unwrap_ddp
 from .store import Store
@@ -78,8 +79,9 @@ def default_budget(device: torch.device) -> int | None:
 
 
 def gradient_bytes(model: nn.Module) -> int:
-    """The bytes of the gradients a step makes (fresh ones: the caller's are set aside until it commits)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    """The bytes of the gradients a step makes (fresh ones: the caller's are set aside until it commits); a lazy
+    parameter, whose size its first forward decides, counts nothing yet."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and not is_lazy(p))
 
 
 def signature(micro_batch: Any) -> tuple:

@@ -94,6 +94,12 @@ class StepRng:
         self.states = [[None] * len(self.generators) for _ in self.states]
 
     def close(self, failed: bool) -> None:
+        """End the step's streams: a turn still open (a schedule's generator of turns that an error left suspended,
+        whose `finally` runs only when it is collected) ends now; on failure, the caller's stream as before."""
+        for device in self.devices:
+            holder = _HOLDERS.get(device)
+            if holder is not None and holder[0] is self:
+                self.end(holder[1])
         if not failed:
             return
         for g, before, after in zip(self.generators, self.before, self.after):
