@@ -204,35 +204,6 @@ def test_a_draw_between_a_micro_batchs_turns_is_not_drawn_again():
     assert values.unique().numel() == values.numel()
 
 
-def test_another_threads_random_numbers_are_never_repeated_by_layerwise_steps():
-    """A thread that draws while this one runs layerwise steps with dropout: no value comes twice (float64 draws: a
-    repeat by chance is out of the question), whenever its draws land. (A schedule that runs a micro-batch's forward
-    again, passes or recompute's regions, replays its stream as torch's checkpoint does: a draw of another thread
-    during a replay may repeat a value, as the docs say.)"""
-    schedule = "layerwise"
-    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 16),
-                          nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 10))
-    batch = data((6,), 16)
-    done = threading.Event()
-    draws: list[torch.Tensor] = []
-
-    def draw() -> None:
-        while not done.is_set():
-            draws.append(torch.rand(8, dtype=torch.float64))
-
-    worker = threading.Thread(target=draw, daemon=True)
-    worker.start()
-    try:
-        while len(draws) < 200:  # at least this many draws overlap the steps, however the threads are scheduled
-            for _ in range(2):
-                accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
-    finally:
-        done.set()
-        worker.join(timeout=60)
-    values = torch.cat(draws)
-    assert values.unique().numel() == values.numel()
-
-
 def test_a_step_inside_another_is_refused_saying_steps_cannot_be_nested(schedule):
     model, inner = _tiny(), _tiny()
     batch = data((6,), 8, torch.float64)

@@ -125,8 +125,9 @@ def backward(
         caller's generators advance by one draw per step, whatever the split. torch's generators are
         process-wide: a draw another thread makes while a micro-batch's forward runs (between two of its
         BatchNorm calls) comes from that micro-batch's stream, so steps on several threads at once, each with
-        random numbers of its own, are not reproducible (under layerwise no value is ever drawn twice; passes and
-        recompute replay a micro-batch's stream, and a draw during a replay may repeat one). A step cannot run
+        random numbers of its own, are not reproducible. Another thread's draws are rarely repeated: passes and
+        recompute replay a micro-batch's stream, and a draw during a replay, or one that lands in the instant of a
+        stream swap, may repeat a value. Give such threads a ``torch.Generator`` of their own. A step cannot run
         inside another's `loss_fn`; a step on another thread can.
 
     .. warning::

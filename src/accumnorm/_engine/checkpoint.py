@@ -30,6 +30,7 @@ __all__ = ["Regions", "in_region", "region_frames"]
 
 Recompute = Callable[[Tensor], Tensor]
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+_RECOMPUTE_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
 
 
 class Regions:
@@ -98,6 +99,12 @@ class Regions:
 def in_region(hooks: tuple[tuple[Any, Any], ...]) -> bool:
     """Whether a point with these saved-tensor hooks is inside the forward of a checkpointed region."""
     return any(_is_forward_hook(pack) for pack, _ in hooks)
+
+
+def in_recomputation(hooks: tuple[tuple[Any, Any], ...]) -> bool:
+    """Whether a point with these saved-tensor hooks is inside a checkpointed region's recomputation (which runs in
+    the backward, under the recomputation's hooks rather than the forward's)."""
+    return any(getattr(inspect.unwrap(pack), "__qualname__", "") == _RECOMPUTE_HOOK for pack, _ in hooks)
 
 
 def region_frames(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:

@@ -39,7 +39,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from .checkpoint import in_region, region_frames
+from .checkpoint import in_recomputation, in_region, region_frames
 from .lockstep import layerwise
 from .step import Step
 from .store import Store
@@ -124,7 +124,9 @@ def _region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     and a structure built afresh around them: a list the caller appends to after the call (DenseNet's features)
     is recomputed as the forward saw it. A forward that changes its tensors or containers in place is refused."""
     forward = type(self).forward
-    if not torch.is_grad_enabled() or in_region(saved_tensor_hooks()):
+    hooks = saved_tensor_hooks()
+    # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
+    if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
         return forward(self, *args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]

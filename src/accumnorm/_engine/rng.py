@@ -9,7 +9,8 @@ as they were after that draw.
 
 torch's default generators are process-wide, and other threads draw from them too: a micro-batch's stream
 is in them only for its turns (`begin` to `end`), and the process's own stream the rest of the time, so
-a draw of another thread between turns continues the process's stream, and none is ever drawn twice.
+a draw of another thread between turns continues the process's stream. (The swaps take no lock another
+thread's draw respects: a draw that lands between a swap's get_state and set_state can come again.)
 During a turn, another thread's draw comes from that micro-batch's stream (as draws of several threads
 interleave in any forward); so do the draws of a step on another thread whose turn overlaps this one's:
 the swaps are bookkept per generator (`_HOLDERS`: which stream each holds now), so that whatever the
