@@ -6,7 +6,7 @@
 - `transaction`: gradients and buffers set aside, merged on success, restored on any error.
 - `rng`: each micro-batch's random stream; the caller's generators one draw on.
 - `step`: one call's micro-batches and the round protocol: `Step.meet` checks that the K micro-batches are
-  at the same BatchNorm call and makes it one call of the whole batch.
+  at the same BatchNorm call and makes it one call of the whole batch; `sameness`: that check.
 - `whole`: that call: torch's own BatchNorm on the pieces, concatenated; each micro-batch gets its rows.
 - `pieces`: that call inside checkpointed regions: each piece's input kept in its region's place, not the whole's.
 - `joint`: that call across the ranks of a process group (SyncBatchNorm on any device).
@@ -14,6 +14,7 @@
 - `plain`, `lockstep` (the layerwise schedule: coroutines on the caller's thread), `recompute` (layerwise with the
   model's blocks in checkpointed regions), `passes`: the schedules.
 - `budget`, `auto`: what a step may keep and each schedule needs, measured; "auto"'s choice by memory.
+- `choice`: which schedule runs a step (the one asked for, or "auto"'s), each try undone before the next.
 - `threadstate`: torch's per-thread state, swapped as the coroutines take turns; `flags`: the process-wide flags
   swapped with it.
 - `crossing`: the K graphs checked before their backward: no micro-batch uses another's tensors (Python state

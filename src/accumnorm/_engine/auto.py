@@ -65,7 +65,7 @@ def run_auto(step: Step, new_step: Callable[[], Step], store: Store | None, star
             return step
         start_over(step)
         step = new_step()
-    refuse_unseen_batch_norms(model, "passes")
+    refuse_unseen_batch_norms(step.modules, "passes")
     record_choice(model, Choice("passes", "; ".join(reasons), None, budget))
     _tell(model, "passes", reasons, budget)
     passes(step)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -24,22 +23,19 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
-from .auto import run_auto
-from .budget import Choice, check_budget, default_budget, figures, gradient_bytes, record_choice, signature
+from .budget import check_budget, default_budget
+from .choice import check_budget_fits_passes, run_exact, run_plain
 from .forwards import step_forwards
-from .guards import check_every_call_seen, has_norm_statistics, refuse_node_backward_hooks, refuse_unseen_batch_norms
+from .guards import check_every_call_seen, refuse_node_backward_hooks, refuse_unseen_batch_norms
 from .interrupts import SigintDeferred
 from .lazy_eps import warn_large_eps
-from .lockstep import layerwise
 from .objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
-from .passes import passes
-from .plain import plain
-from .recompute import RegionStateChanged, recompute
 from .rng import StepRng
 from .step import Step
-from .store import Store, resolve_store, store_for
+from .store import resolve_store, store_for
 from .threadstate import ThreadState
 from .transaction import Transaction
+from .tree import module_names
 
 __all__ = ["backward"]
 
@@ -156,7 +152,7 @@ def backward(
     store_device = resolve_store(store)
     micro_batches, sizes = split(batch, micro_batch_size)
     if memory_budget is not None:
-        _check_budget_fits_passes(model, memory_budget, micro_batches[0], sizes[0])
+        check_budget_fits_passes(model, memory_budget, micro_batches[0], sizes[0])
     collectives = Collectives(process_group)
     if batch_loss_fn is not None:
         objective = BatchLoss(forward_fn, batch_loss_fn, targets, grad_scaler, sizes)
@@ -169,17 +165,19 @@ def backward(
     # Even one micro-batch goes through the exact schedule: inside a checkpointed region, torch's own BatchNorm
     # would update the running statistics a second time in the recomputation.
     exact = bn == "exact"
+    names = module_names(model)  # every module, once: what the refusals and the transaction walk over
     if exact:
-        refuse_unseen_batch_norms(model, schedule if schedule in ("passes", "recompute") else "layerwise")
-        refuse_node_backward_hooks(model)
+        refuse_unseen_batch_norms(names, schedule if schedule in ("passes", "recompute") else "layerwise")
+        refuse_node_backward_hooks(names)
     store_hooks = store_for(store_device, _device(model))
     budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(_device(model))
     _RUNNING.step = True
     try:
         with _room_for_the_steps_frames():
-            return _transaction(model, micro_batches, objective, collectives, exact, lambda new_step, transaction: (
-                _run_exact(new_step, schedule, store_hooks, transaction, sum(sizes), budget) if exact
-                else _run(plain, new_step())))
+            return _transaction(model, names, micro_batches, objective, collectives, exact,
+                                lambda new_step, transaction: (
+                                    run_exact(new_step, schedule, store_hooks, transaction, sum(sizes), budget)
+                                    if exact else run_plain(new_step())))
     finally:
         _RUNNING.step = False
 
@@ -208,13 +206,13 @@ def _room_for_the_steps_frames() -> Iterator[None]:
                 sys.setrecursionlimit(_deeper[1])
 
 
-def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBatchLoss | BatchLoss,
-                 collectives: Collectives, exact: bool,
+def _transaction(model: nn.Module, names: dict[nn.Module, str], micro_batches: list[Any],
+                 objective: MicroBatchLoss | BatchLoss, collectives: Collectives, exact: bool,
                  run: Callable[[Callable[[], Step], Transaction], Step]) -> Tensor:
     """Run the step; commit its gradients and running statistics, or, whatever ends it early, undo everything."""
     # Copies only, until the try: an interrupt before it changes nothing.
     caller = ThreadState.capture()
-    transaction = Transaction(model)
+    transaction = Transaction(model, names)
     warn_large_eps(model, transaction.modules)
     rng = StepRng(len(micro_batches), transaction.cuda_devices())
     interrupts = SigintDeferred()
@@ -228,7 +226,7 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
                           if name == "num_batches_tracked" and isinstance(m, _BatchNorm)}
 
         def new_step() -> Step:
-            steps.append(Step(model, transaction.modules, micro_batches, objective, collectives, rng, interrupts,
+            steps.append(Step(model, transaction.names, micro_batches, objective, collectives, rng, interrupts,
                               transaction.restore_buffers, tracked_before, transaction.backward))
             return steps[-1]
 
@@ -257,80 +255,6 @@ def _transaction(model: nn.Module, micro_batches: list[Any], objective: MicroBat
         finally:  # whatever ended the step, the caller's thread is as it was: grad mode, autocast, modes, hooks
             caller.apply(ThreadState.capture())
     return loss
-
-
-def _run(schedule: Callable[[Step], None], step: Step) -> Step:
-    schedule(step)
-    return step
-
-
-class _NoStatistics(BaseException):
-    """Ends a one-micro-batch-at-a-time run of a whole-batch loss that met a norm call with batch statistics."""
-
-
-def _refuse_statistics(call: Any) -> Tensor:
-    raise _NoStatistics
-
-
-def _check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, size: int) -> None:
-    """Refuse, before anything runs, a budget below what even the passes schedule needs: the step's gradients, and
-    one micro-batch's saved tensors where an earlier step measured them."""
-    per_sample = max((v for (key, _), v in figures(model).items() if key == signature(micro_batch)), default=None)
-    need = gradient_bytes(model) + (0 if per_sample is None else int(per_sample * size))
-    if budget < need:
-        raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs about {need} bytes "
-                         f"(the step's gradients{', and one micro-batch' if per_sample is not None else ''}); "
-                         "give a larger budget, or a smaller micro_batch_size")
-
-
-def _run_exact(new_step: Callable[[], Step], schedule: str, store: Store | None, transaction: Transaction,
-               samples: int, budget: int | None) -> Step:
-    """The exact schedule asked for; under "auto", the first that fits the memory budget (`auto`)."""
-    if schedule == "passes":
-        step = _run(passes, new_step())
-        record_choice(step.model, Choice("passes", "asked for"))
-        return step
-    if schedule == "recompute":
-        return _recompute_or_layerwise(new_step, store, transaction)
-    step = new_step()
-    if step.objective.whole and schedule == "auto" and not has_norm_statistics(step.model):
-        # No layer with batch statistics: one micro-batch at a time (GradCache's scheme) is exact too, in the
-        # memory of one micro-batch; a functional batch-norm call met on the way sends the step to layerwise.
-        try:
-            with step.norm_calls(_refuse_statistics, _refuse_statistics):
-                return _run(lambda s: plain(s, exact=True), step)
-        except _NoStatistics:
-            _start_over(step, transaction)
-            step = new_step()
-    if schedule == "layerwise":
-        step = _run(lambda s: layerwise(s, store), step)
-        record_choice(step.model, Choice("layerwise", "asked for"))
-        return step
-    return run_auto(step, new_step, store, lambda s: _start_over(s, transaction), samples, budget)
-
-
-def _recompute_or_layerwise(new_step: Callable[[], Step], store: Store | None, transaction: Transaction) -> Step:
-    """The recompute schedule; layerwise, with a warning, where a region's forward changed its module's state."""
-    step = new_step()
-    try:
-        step = _run(lambda s: recompute(s, store), step)
-        record_choice(step.model, Choice("recompute", "asked for"))
-        return step
-    except RegionStateChanged as e:
-        _start_over(step, transaction)
-        warnings.warn(f"accumnorm.backward: {e}; using the layerwise schedule, which runs every forward once",
-                      RuntimeWarning, stacklevel=5)
-        step = _run(lambda s: layerwise(s, store), new_step())
-        record_choice(step.model, Choice("layerwise", f"recompute was asked for, but {e}"))
-        return step
-
-
-def _start_over(step: Step, transaction: Transaction) -> None:
-    """Undo a schedule's partial run for another to start the step again: gradients, buffers, and every
-    micro-batch's random stream back at its start (the next schedule draws what it would have drawn alone)."""
-    transaction.rollback()
-    transaction.begin()
-    step.rng.rewind()
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -7,6 +7,8 @@ is a call that normalized with one micro-batch's statistics, and the step is ref
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -16,9 +18,10 @@ from .step import Step
 __all__ = ["refuse_unseen_batch_norms", "refuse_node_backward_hooks", "check_every_call_seen", "has_norm_statistics"]
 
 
-def refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
-    """Refuse, before anything runs, the layers whose batch statistics no schedule could see or make exact."""
-    for name, m in model.named_modules():
+def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> None:
+    """Refuse, before anything runs, the layers whose batch statistics no schedule could see or make exact
+    (`names`: the model's modules, `tree.module_names`)."""
+    for m, name in names.items():
         where = name or "the model"
         if isinstance(m, torch.jit.ScriptModule) and "BatchNorm" in getattr(m, "original_name", ""):
             raise ValueError(f"bn='exact' cannot see the BatchNorm of the TorchScript module {where} "
@@ -36,18 +39,18 @@ def refuse_unseen_batch_norms(model: nn.Module, schedule: str) -> None:
                              f"schedule: {reason}")
 
 
-def refuse_node_backward_hooks(model: nn.Module) -> None:
+def refuse_node_backward_hooks(names: dict[nn.Module, str]) -> None:
     """Refuse `register_backward_hook` (the deprecated, not-full kind) on a BatchNorm layer, or process-wide: it hooks
     the autograd node that made the layer's output, which under bn='exact' is the node handing each micro-batch its
     rows of the whole batch's output, not the BatchNorm's."""
     module_hooks = nn.modules.module
     if module_hooks._global_backward_hooks and module_hooks._global_is_full_backward_hook is False:
-        if any(isinstance(m, _BatchNorm) for m in model.modules()):
+        if any(isinstance(m, _BatchNorm) for m in names):
             raise ValueError("bn='exact' cannot run a module backward hook registered with "
                              "register_module_backward_hook on the model's BatchNorm layers: it would see the "
                              "gradient of the node that hands out each micro-batch's rows. Nothing was changed. Use "
                              "register_module_full_backward_hook instead")
-    for name, m in model.named_modules():
+    for m, name in names.items():
         if isinstance(m, _BatchNorm) and m._backward_hooks and m._is_full_backward_hook is False:
             raise ValueError(f"bn='exact' cannot run the backward hook registered with register_backward_hook on "
                              f"{type(m).__name__} {name or '(the model)'}: it would see the gradient of the node that "
@@ -76,8 +79,8 @@ def check_every_call_seen(step: Step) -> None:
                     "was changed. Run that layer as Python in the calling thread, or pass bn='micro'")
 
 
-def has_norm_statistics(model: nn.Module) -> bool:
-    """Whether the model has a layer that normalizes with batch statistics or keeps running ones (an InstanceNorm
-    without running statistics normalizes each sample alone: it has none)."""
+def has_norm_statistics(modules: Iterable[nn.Module]) -> bool:
+    """Whether the model (its `modules`) has a layer that normalizes with batch statistics or keeps running ones (an
+    InstanceNorm without running statistics normalizes each sample alone: it has none)."""
     return any(isinstance(m, _BatchNorm) or (isinstance(m, nn.modules.instancenorm._InstanceNorm)
-                                             and m.track_running_stats) for m in model.modules())
+                                             and m.track_running_stats) for m in modules)

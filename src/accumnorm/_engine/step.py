@@ -31,6 +31,8 @@ from .crossing import Graphs
 from .interrupts import SigintDeferred
 from .objective import BatchLoss, MicroBatchLoss
 from .rng import StepRng
+from .sameness import difference, identical
+from .tree import parameters
 from .whole import Recompute, normalize_whole
 
 __all__ = ["Step"]
@@ -54,7 +56,7 @@ class Step:
     BatchNorm call (`meet`, or `check_same` + `joint_moments` + `record`).
     """
 
-    def __init__(self, model: nn.Module, modules: list[nn.Module], micro_batches: list[Any],
+    def __init__(self, model: nn.Module, modules: dict[nn.Module, str], micro_batches: list[Any],
                  objective: MicroBatchLoss | BatchLoss,
                  collectives: Collectives, rng: StepRng, interrupts: SigintDeferred,
                  restore_buffers: Callable[[], None], tracked_before: dict[_BatchNorm, Tensor],
@@ -80,6 +82,8 @@ class Step:
         self.instance_norms: list[_InstanceNormStats] = []
         self.regions = Regions(self.norm_calls)
         self.graphs = Graphs(model)  # who made which node of the K graphs, checked before their backward
+        self.modules = modules  # every module of the model, once, with its name (`tree.module_names`)
+        self.parameters = parameters(modules)
         self._names: dict[nn.Module, str] | None = None
 
     def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor],
@@ -128,10 +132,10 @@ class Step:
         `calls[i]` is micro-batch `micro_batches[i]`'s (default: i's) piece; `grad_mode`: the grad modes must agree.
         """
         first = calls[0]
-        if first is not None and all(call is not None and _identical(first, call) for call in calls[1:]):
+        if first is not None and all(call is not None and identical(first, call) for call in calls[1:]):
             return
         for i, call in enumerate(calls[1:], 1):
-            problem = _difference(first, call, grad_mode, self.names)
+            problem = difference(first, call, grad_mode, self.names)
             if problem is not None:
                 k = micro_batches[i] if micro_batches is not None else i
                 theirs = self.describe(first) if first is not None else "none (it had ended its forward)"
@@ -162,14 +166,15 @@ class Step:
 
     def grad_versions(self) -> list[tuple[int, int] | None]:
         """Each parameter's .grad as it is now, for `refuse_grads_changed`."""
-        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self.model.parameters()]
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self.parameters]
 
     def refuse_grads_changed(self, before: list[tuple[int, int] | None], runs: str) -> None:
         """Raise if a parameter's .grad changed since `before`, while only the micro-batches' forwards ran: a backward
         inside the user's function, which the step `runs` ("each micro-batch's forward once") where the whole batch
         would run it once."""
-        for (name, p), was in zip(self.model.named_parameters(), before):
+        for p, was in zip(self.parameters, before):
             if (None if p.grad is None else (id(p.grad), p.grad._version)) != was:
+                name = next(n for n, q in self.model.named_parameters() if q is p)
                 raise ValueError(
                     f"bn='exact': a backward inside your function (a .backward() there) changed the .grad of the "
                     f"parameter {name} during the micro-batches' forwards. The step runs {runs}, where the whole "
@@ -248,61 +253,7 @@ class Step:
 
     @property
     def names(self) -> dict[nn.Module, str]:
-        """Each module's name in the model, for messages: `named_modules`'s, found without recursion (a message may be
-        wanted deep inside a deeply nested model's forward)."""
+        """Each module's name in the model, for messages ("(the model)" for the model itself)."""
         if self._names is None:
-            self._names, pending = {}, [("", self.model)]
-            while pending:
-                name, m = pending.pop()
-                if m not in self._names:
-                    self._names[m] = name or "(the model)"
-                    pending += [(f"{name}.{n}" if name else n, c) for n, c in reversed(m._modules.items())
-                                if c is not None]
+            self._names = {m: name or "(the model)" for m, name in self.modules.items()}
         return self._names
-
-
-def _identical(first: BNCall, call: BNCall) -> bool:
-    """Whether two pieces are of one call by the quick test: the same arguments, tensors, layer and modes.
-    `_difference` decides (and says what differs) when this one does not pass."""
-    x, x0 = call.input, first.input
-    return (x.shape[1:] == x0.shape[1:] and x.dtype == x0.dtype and x.device == x0.device
-            and call.module is first.module and call.eps == first.eps and call.momentum == first.momentum
-            and call.modes == first.modes and call.running_mean is first.running_mean
-            and call.running_var is first.running_var and call.weight is first.weight and call.bias is first.bias
-            and call.counted == first.counted)
-
-
-def _difference(first: BNCall | None, call: BNCall | None, grad_mode: bool,
-                names: dict[nn.Module, str]) -> str | None:
-    """What differs between two micro-batches' pieces of a BatchNorm call, or None if they are pieces of one call."""
-    if call is None:
-        return None if first is None else "had ended its forward"
-    if first is None:
-        return f"made one ({describe(call, names)})"
-    x, x0 = call.input, first.input
-    checks = [
-        ("its input's shape past the batch dimension", tuple(x.shape[1:]), tuple(x0.shape[1:])),
-        ("its input's dtype", x.dtype, x0.dtype),
-        ("its input's device", x.device, x0.device),
-        ("the layer", names.get(call.module, "none"), names.get(first.module, "none")),
-        ("eps", call.eps, first.eps),
-        ("autocast", call.modes.autocast, first.modes.autocast),
-        ("whether the layer's forward made it", call.counted, first.counted),
-    ]
-    if grad_mode:
-        checks.append(("grad mode", (call.modes.grad, call.modes.fwd_grad), (first.modes.grad, first.modes.fwd_grad)))
-    if not (isinstance(call.module, _BatchNorm) and call.module.momentum is None):  # else momentum counts the calls
-        checks.append(("momentum", call.momentum, first.momentum))
-    for what, got, expected in checks:
-        if got != expected:
-            return f"differs in {what} ({got} against {expected})"
-    for name in ("running_mean", "running_var", "weight", "bias"):
-        got, expected = getattr(call, name), getattr(first, name)
-        if got is expected:
-            continue
-        # A weight computed in each forward (a parametrization, a cast) is the same weight if its values are.
-        if name in ("weight", "bias") and got is not None and expected is not None and got.shape == expected.shape \
-                and bool(torch.equal(got, expected)):
-            continue
-        return f"passed another {name} tensor to the call"
-    return None

@@ -19,15 +19,19 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
+from .tree import module_names, parameters
+
 __all__ = ["Transaction"]
 
 
 class Transaction:
     """What a step may change in `model`: every parameter's `.grad` and every buffer (module doc)."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.modules = list(model.modules())  # every module, once: what the step walks over
-        self.params = [p for p in model.parameters() if p.requires_grad]
+    def __init__(self, model: nn.Module, names: dict[nn.Module, str] | None = None) -> None:
+        self.names = module_names(model) if names is None else names  # every module, once, with its name
+        self.modules = list(self.names)  # what the step walks over
+        self.all_params = parameters(self.modules)
+        self.params = [p for p in self.all_params if p.requires_grad]
         self.grads: list[Tensor | None] = [p.grad for p in self.params]
         self.leaves: list[tuple[Tensor, Tensor | None]] = []  # leaves outside the model, with their .grad before
         self._known = {id(p) for p in self.params}
