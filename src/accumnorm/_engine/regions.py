@@ -7,12 +7,14 @@ root of the model's layers, or fewer, is a region as a whole; in a larger one th
 children, and in a larger `nn.Sequential` (one that runs torch's own forward) the children too small to be
 regions alone are gathered, in order, into runs of about that many layers. A region's recomputation is then
 small against the whole and the regions' inputs are few. A region of a single layer gains nothing and runs
-as it is, as does the last region (the backward recomputes it at once: it would cost time and save nothing).
+as it is.
 
 Once a step has measured what each region's forward saves (`record_saved`), the regions that save least run
-as they are, as long as together they save no more than a quarter of the largest one: the backward holds that
-one's recomputation anyway, and theirs would cost time (the late, low-resolution blocks of a convolutional
-net save little for as much compute), while what they keep is kept for the whole batch for the whole step.
+as they are, as long as together they save no more than a quarter of the largest one: their recomputation
+would cost time for little memory (the late, low-resolution blocks of a convolutional net, and its head,
+save little for as much compute). The last region is no exception: the backward recomputes it at once, but
+by then the loss's backward has let go of what the loss kept (a per-pixel loss keeps as much as a layer),
+which its saved tensors would be held beside until the forward's end.
 """
 from __future__ import annotations
 
@@ -119,7 +121,7 @@ def choose_regions(model: nn.Module) -> list[Region]:
         close(len(children))
 
     visit(model)
-    unique = _unique(regions)[:-1]
+    unique = _unique(regions)
     sizes = [_SAVED.get(_key(r), {}).get(_length(r)) for r in unique]
     if None in sizes or not unique:
         return unique
