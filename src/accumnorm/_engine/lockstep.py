@@ -84,8 +84,10 @@ class _Lockstep:
                 if None in calls:
                     step.check_same(calls, index)  # raises: not all at a BatchNorm call
                 outputs, recompute = step.meet(calls, index)
-                if len(outputs) > 1 and outputs[0].grad_fn is not None:  # the K rows' node, shared
-                    outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(calls[0], index, self._running))
+                # The K rows' node, shared; or one micro-batch's whose input its regions keep, back-propagated once
+                if (len(outputs) > 1 or recompute.keeps_input) and outputs[0].grad_fn is not None:
+                    outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(
+                        calls[0], index, self._running, alone=len(outputs) == 1))
                 step.graphs.met(outputs, [c.input for c in calls])
                 index += 1
                 ends = self._resume_all(calls, outputs, recompute)
