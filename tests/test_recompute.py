@@ -217,6 +217,46 @@ def test_a_run_whose_child_changes_its_state_runs_under_layerwise_with_a_warning
     compare(ref, model, 1e-9)
 
 
+class ConvBN(nn.Module):
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.tanh(self.bn(self.conv(x)))
+
+
+class Looped(nn.Module):
+    """Calls its Sequential's children itself, as ultralytics' detectors do: the Sequential's forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 6, 3, padding=1)
+        self.layers = nn.Sequential(*[ConvBN() for _ in range(12)])
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for m in self.layers:
+            x = m(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_sequentials_children_of_several_layers_stay_regions_of_their_own():
+    """Small blocks of two layers are regions alone, not runs, which only a call of the Sequential's forward would
+    checkpoint: here the model loops over the children itself, and recompute still keeps a fraction of layerwise."""
+    model, batch = Looped().double(), data((1, 12, 12), 8, torch.float64)
+    assert not any(isinstance(r, Run) for r in choose_regions(model))
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    layerwise = saved_peak(copy.deepcopy(model), batch, "layerwise")
+    with SavedBytes(model.parameters()) as saved:
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert saved.peak < 0.5 * layerwise, (saved.peak, layerwise)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
 def live_peak(step) -> int:
     """The peak bytes of live tensors while `step()` runs (torch's CPU allocator, as the profiler records it)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -4,8 +4,10 @@ A region is a module (a residual block, an inverted-residual block, a detector's
 consecutive children of an `nn.Sequential` (a stem's conv-BN-ReLU-pool; a VGG-like stack, which has no
 block at all). `choose_regions` walks the module tree from the top. A module that holds about the square
 root of the model's layers, or fewer, is a region as a whole; in a larger one the walk goes down to its
-children, and in a larger `nn.Sequential` (one that runs torch's own forward) the children too small to be
-regions alone are gathered, in order, into runs of about that many layers. A region's recomputation is then
+children, and in a larger `nn.Sequential` (one that runs torch's own forward) the children of one layer each
+are gathered, in order, into runs of about that many layers. Children of more layers stay regions of their
+own: a model may loop over a Sequential's children itself (ultralytics' detectors do), and a run only
+exists where the Sequential's forward is called. A region's recomputation is then
 small against the whole and the regions' inputs are few. A region of a single layer gains nothing and runs
 as it is.
 
@@ -109,7 +111,7 @@ def choose_regions(model: nn.Module) -> list[Region]:
                 regions.append(Run(seq, start, stop))
 
         for i, child in enumerate(children):
-            if layers[child] > target:
+            if layers[child] >= 2:  # a region alone, or visited: as in any other module (module doc)
                 close(i)
                 visit(child)
                 start, total = i + 1, 0
