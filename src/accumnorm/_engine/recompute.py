@@ -7,7 +7,7 @@ the region's inputs and recomputes the rest when the backward reaches it. `check
 recomputation exact (the forward's whole-batch BatchNorm outputs again, no running-statistics update), and
 `pieces` keeps each BatchNorm input in its region's place. The step then holds the regions' inputs of the
 whole batch, what runs outside regions, and, during the backward, one region's recomputed tensors for all K
-micro-batches at once (a met BatchNorm call's backward needs every piece); it costs about one more forward.
+micro-batches at once (a met BatchNorm call's backward needs every piece); it runs the regions' forwards twice.
 
 Regions (`regions.choose_regions`) are modules, or runs of an `nn.Sequential`'s children, of about the square
 root of the model's layers each. A module region's forward is its class's, checkpointed; a run's is its
