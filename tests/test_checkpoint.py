@@ -58,6 +58,23 @@ def test_batchnorm_in_a_checkpointed_region_is_exact(schedule, ckpt):
     compare(ref, model, 1e-9)  # running statistics and num_batches_tracked: updated once per call, as the oracle's
 
 
+def test_a_second_backward_through_a_call_inside_a_region_of_one_micro_batch_is_refused_and_changes_nothing():
+    """One micro-batch: a backward inside loss_fn (retaining the graph) through a BatchNorm call in a checkpointed
+    region, whose input the region keeps for the step's one backward, is refused before the step's own backward,
+    instead of that backward failing on a piece already taken back."""
+    def loss_fn(m, b):
+        out = m(b[0])
+        out.square().mean().backward(retain_graph=True)
+        return F.cross_entropy(out, b[1])
+
+    model = Checkpointed("flat").double()
+    batch = data((1, 8, 8), 6, torch.float64)
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match="ran a backward.*keeps its input in checkpointed regions.*Nothing was"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=6, schedule="layerwise")
+    assert_unchanged(model, snap)
+
+
 def test_the_recomputation_replays_the_forwards_dropout():
     """A region with dropout: the recomputation draws the forward's masks again (torch's preserve_rng_state), so
     checkpointed and plain runs of the same seed agree, under both schedules."""

@@ -12,7 +12,7 @@
 - `joint`: that call across the ranks of a process group (SyncBatchNorm on any device).
 - `calls`: the TorchFunctionMode that routes every batch-statistics norm call of a step to its schedule.
 - `plain`, `lockstep` (the layerwise schedule: coroutines on the caller's thread), `recompute` (layerwise with the
-  model's blocks in checkpointed regions), `passes`: the schedules.
+  model's blocks in checkpointed regions), `passes`: the schedules; `regions`: which parts recompute checkpoints.
 - `budget`, `auto`: what a step may keep and each schedule needs, measured; "auto"'s choice by memory.
 - `choice`: which schedule runs a step (the one asked for, or "auto"'s), each try undone before the next.
 - `threadstate`: torch's per-thread state, swapped as the coroutines take turns; `flags`: the process-wide flags

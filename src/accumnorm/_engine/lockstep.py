@@ -84,11 +84,13 @@ class _Lockstep:
                 if None in calls:
                     step.check_same(calls, index)  # raises: not all at a BatchNorm call
                 outputs, recompute = step.meet(calls, index)
-                if len(outputs) > 1 and outputs[0].grad_fn is not None:  # the K rows' node, shared
-                    outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(calls[0], index, self._running))
+                # The K rows' node, shared; or one micro-batch's whose input its regions keep, back-propagated once
+                if (len(outputs) > 1 or recompute.keeps_input) and outputs[0].grad_fn is not None:
+                    outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(
+                        calls[0], index, self._running, alone=len(outputs) == 1))
                 step.graphs.met(outputs, [c.input for c in calls])
                 index += 1
-                ends = [self._resume(k, (y, recompute)) for k, y in zip(k_all, outputs)]
+                ends = self._resume_all(calls, outputs, recompute)
         except BaseException:
             self._abort()
             raise
@@ -115,6 +117,16 @@ class _Lockstep:
             else:
                 roots.append(weighted)
         return roots
+
+    def _resume_all(self, calls: list[BNCall | None], outputs: list[Tensor], recompute: Any) -> list[Any]:
+        """Resume each micro-batch with its rows of a met call's output. The driver lets go of each one's input and
+        output as it resumes it, so that they live no longer than that micro-batch's forward holds them."""
+        ends = []
+        for k in range(len(outputs)):
+            y, outputs[k], calls[k] = outputs[k], None, None
+            ends.append(self._resume(k, (y, recompute)))
+            del y
+        return ends
 
     def _running(self) -> int | None:
         return self.current

@@ -21,38 +21,42 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..functional import Moments
+from ..functional import Moments, combine_moments, moments, update_running_stats_
 from .calls import BNCall
 from .joint import normalize_across_ranks
-from .sums import channel_shape
+from .sums import channel_shape, normalize_with
 
 __all__ = ["normalize_pieces"]
 
 class _Local:
-    """The whole batch's normalization on this process: torch's kernel forward; a backward piece by piece."""
+    """The whole batch's normalization on this process, piece by piece: no tensor of the whole batch is made."""
 
     def __init__(self, call: BNCall, momentum: float | None) -> None:
         # Not the call: it holds micro-batch 0's input, which the backward must not find kept here.
         self.running_mean, self.running_var, self.eps = call.running_mean, call.running_var, call.eps
-        self.momentum = 0.0 if momentum is None else momentum
+        self.momentum = momentum
+        self.moments: Moments | None = None
         self.mean = self.invstd = None
 
-    def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
-        y, self.mean, self.invstd = torch.native_batch_norm(x, weight, bias, self.running_mean, self.running_var,
-                                                            True, self.momentum, self.eps)
+    def forward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None) -> list[Tensor]:
+        """Each piece normalized with the whole batch's statistics: the pieces' moments merged (torch's statistics
+        kernel on each, then Chan's formula), the running statistics updated once, as torch's would be."""
+        m = self.moments = combine_moments([moments(x) for x in xs]) if len(xs) > 1 else moments(xs[0])
+        var = m.var
+        self.mean, self.invstd = m.mean, torch.rsqrt(var + self.eps)
+        if self.running_mean is not None and self.momentum is not None:
+            update_running_stats_(self.running_mean, self.running_var, m.mean, m.m2 / (m.count - 1), self.momentum)
         self.running_mean = self.running_var = None  # updated once, in the forward
-        return y
+        return [normalize_with(x, m.mean, var, weight, bias, self.eps) for x in xs]
 
-    def stats(self, count: int) -> Moments:
-        """The forward's statistics as moments (for a recomputation's output)."""
-        var = self.invstd.double().pow(-2).sub(self.eps).to(self.mean.dtype)
-        n = self.mean.new_full((), count)
-        return Moments(n, self.mean, var * n)
+    def stats(self) -> Moments:
+        """The forward's statistics (for a recomputation's output)."""
+        return self.moments
 
-    def backward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
+    def backward(self, xs: list[Tensor | None], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
                  needs: tuple[bool, bool, bool]) -> tuple[Any, ...]:
         """BatchNorm's backward with the forward's mean and invstd, over the pieces one at a time: no tensor of the
-        whole batch beyond the input gradient (the concatenated input would be one more)."""
+        whole batch, and each piece of `xs` let go of (set to None) once its input gradient is made."""
         mean, invstd, shape = self.mean, self.invstd, channel_shape(xs[0])
         dims = [0, *range(2, xs[0].dim())]
         sum_dy, sum_dy_xmu, count = torch.zeros_like(mean), torch.zeros_like(mean), 0
@@ -69,8 +73,12 @@ class _Local:
             scale = invstd if weight is None else invstd * weight.detach().to(invstd.dtype)
             slope = -scale * invstd * invstd * sum_dy_xmu / count
             offset = -scale * sum_dy / count - slope * mean
-            dxs = [torch.addcmul(offset.view(shape), x.to(mean.dtype), slope.view(shape))
-                   .addcmul_(dy.to(mean.dtype), scale.view(shape)).to(x.dtype) for x, dy in zip(xs, dys)]
+            dxs = []
+            for k, dy in enumerate(dys):
+                x, xs[k] = xs[k], None
+                dxs.append(torch.addcmul(offset.view(shape), x.to(mean.dtype), slope.view(shape))
+                           .addcmul_(dy.to(mean.dtype), scale.view(shape)).to(x.dtype))
+                del x
         return dxs, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
 
 
@@ -85,11 +93,14 @@ class _AcrossRanks:
     def _normalize(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
         return normalize_across_ranks(x, self.moments, weight, bias, self.eps, self.reduce_sums)
 
-    def forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+    def forward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None) -> list[Tensor]:
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
         self.moments = self.across_ranks(x)
-        return self._normalize(x, weight, bias)
+        y = self._normalize(x, weight, bias)
+        # Not views: a micro-batch may change its rows in place, as after `whole`'s unsafe split.
+        return [y] if len(xs) == 1 else list(y.unsafe_split_with_sizes([p.shape[0] for p in xs]))
 
-    def stats(self, count: int) -> Moments:
+    def stats(self) -> Moments:
         return self.moments
 
     def backward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
@@ -129,14 +140,11 @@ class _MetCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, norm, hooks, weight, bias, *pieces):  # type: ignore[override]
-        x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        y = norm.forward(x, weight, bias)
-        del x
-        ctx.norm, ctx.sizes = norm, [p.shape[0] for p in pieces]
+        outputs = norm.forward(list(pieces), weight, bias)
+        ctx.norm = norm
         ctx.pieces = [_pack(h, p) for h, p in zip(hooks, pieces)]
         ctx.save_for_backward(weight, bias)
-        # Not views: a micro-batch may change its rows in place, as after `whole`'s unsafe split.
-        return tuple([y] if len(pieces) == 1 else y.unsafe_split_with_sizes(ctx.sizes))
+        return tuple(outputs)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -161,4 +169,4 @@ def normalize_pieces(calls: Sequence[BNCall], momentum: float | None,
     norm = _Local(first, momentum) if across_ranks is None else _AcrossRanks(first, across_ranks, reduce_sums)
     outputs = _MetCall.apply(norm, [c.saved_tensor_hooks for c in calls], first.weight, first.bias,
                              *[c.input for c in calls])
-    return list(outputs), norm.stats(sum(c.input.shape[0] for c in calls) * first.input[0, 0].numel())
+    return list(outputs), norm.stats()

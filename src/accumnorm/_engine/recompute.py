@@ -7,17 +7,12 @@ the region's inputs and recomputes the rest when the backward reaches it. `check
 recomputation exact (the forward's whole-batch BatchNorm outputs again, no running-statistics update), and
 `pieces` keeps each BatchNorm input in its region's place. The step then holds the regions' inputs of the
 whole batch, what runs outside regions, and, during the backward, one region's recomputed tensors for all K
-micro-batches at once (a met BatchNorm call's backward needs every piece); it costs about one more forward.
+micro-batches at once (a met BatchNorm call's backward needs every piece); it runs the regions' forwards twice.
 
-Regions (`choose_regions`) are modules at the frontier of the module tree where each holds about the square
-root of the model's layers (a residual block, an inverted-residual block, a detector's stage), so that a
-region's recomputation is small against the whole and the region inputs are few. Modules of a single layer
-gain nothing from it and stay as they are, as does the last region (the backward recomputes it at once: it
-would cost time and save nothing). Once a step has measured what each region's forward saves, the regions
-that save least run as they are, as long as together they save no more than the largest one: the backward
-holds that one's recomputation anyway, and theirs would cost time (the late, low-resolution blocks of a
-convolutional net save little for as much compute). A region called inside a region the user already
-checkpointed, or without grad, runs as it is.
+Regions (`regions.choose_regions`) are modules, or runs of an `nn.Sequential`'s children, of about the square
+root of the model's layers each. A module region's forward is its class's, checkpointed; a run's is its
+Sequential's, torch's own loop over the children with the run's children called in one checkpoint. A region
+called inside a region the user already checkpointed, or without grad, runs as it is.
 
 A region is exact only if running its forward twice gives the same result: `check_unchanged` refuses a step
 whose forward changed a region module's Python attributes or buffers (other than the BatchNorm state the step
@@ -25,10 +20,10 @@ itself keeps), before the backward runs, so that the caller can fall back to lay
 """
 from __future__ import annotations
 
+import functools
 import math
 import types
-import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,11 +36,12 @@ from torch.utils.checkpoint import checkpoint
 
 from .checkpoint import in_recomputation, in_region, region_frames
 from .lockstep import layerwise
+from .regions import Region, Run, choose_regions, record_saved, region_modules
 from .step import Step
 from .store import Store
 from .threadstate import saved_tensor_hooks
 
-__all__ = ["recompute", "choose_regions", "RegionStateChanged"]
+__all__ = ["recompute", "RegionStateChanged"]
 
 _STEP_STATE = ("running_mean", "running_var", "num_batches_tracked")  # a BatchNorm's, kept by the step itself
 
@@ -54,80 +50,24 @@ class RegionStateChanged(Exception):
     """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
 
 
-def _layers(model: nn.Module) -> dict[nn.Module, int]:
-    """Each module's number of layers: modules with parameters of their own or no children, each counted once."""
-    counts: dict[nn.Module, int] = {}
-
-    def count(m: nn.Module, seen: set[nn.Module]) -> int:
-        if m in counts:
-            return counts[m] if m not in seen else 0
-        seen.add(m)
-        own = 1 if (next(iter(m._parameters.values()), None) is not None or not m._modules) else 0
-        counts[m] = own + sum(count(c, seen) for c in m.children())
-        return counts[m]
-
-    count(model, set())
-    return counts
-
-
-def choose_regions(model: nn.Module) -> list[nn.Module]:
-    """The modules whose forwards the step checkpoints, in the model's order (module doc)."""
-    layers = _layers(model)
-    target = max(2, math.isqrt(layers[model]))
-    regions: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:
-        if layers[m] <= target or not m._modules:
-            if layers[m] >= 2 and m is not model and _wrappable(m):
-                regions.append(m)
-            return
-        for child in m.children():
-            visit(child)
-
-    visit(model)
-    unique = list(dict.fromkeys(regions))[:-1]
-    sizes = [_SAVED.get(m) for m in unique]
-    if None in sizes or not unique:
-        return unique
-    # Regions that keep little run as they are, as long as together they keep no more than the largest region,
-    # whose recomputation the backward holds anyway: their recomputation would cost time for little memory.
-    kept, budget = set(), max(sizes)
-    for size, i in sorted(zip(sizes, range(len(unique)))):
-        if size > budget:
-            break
-        budget -= size
-        kept.add(i)
-    return [m for i, m in enumerate(unique) if i not in kept]
-
-
-# region module -> the bytes per sample its forward saved for the backward, as its last checkpointed forward
-# measured them (what `choose_regions` weighs)
-_SAVED: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
-
-
-def _saved_bytes(frame: Any, module: nn.Module, rows: int) -> float:
-    """The bytes per sample a region's forward saved (its frame's metadata of each saved tensor), its module's
+def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
+    """The bytes per sample a region's forward saved (its frame's metadata of each saved tensor), its modules'
     parameters left out."""
     saved = sum(math.prod(meta["shape"]) * meta["dtype"].itemsize for meta in frame.x_metadatas
                 if isinstance(meta, dict) and "shape" in meta)
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    params = sum(p.numel() * p.element_size() for m in region_modules(region) for p in m.parameters())
     return max(0, saved - params) / max(1, rows)
 
 
-def _wrappable(m: nn.Module) -> bool:
-    """A module the step can give a checkpointed forward: plain Python, with no forward of its own set on it."""
-    return "forward" not in vars(m) and not isinstance(m, torch.jit.ScriptModule)
-
-
-def _region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The module's forward in a checkpointed region. Its arguments go in as their tensors, which the region saves,
-    and a structure built afresh around them: a list the caller appends to after the call (DenseNet's features)
-    is recomputed as the forward saw it. A forward that changes its tensors or containers in place is refused."""
-    forward = type(self).forward
+def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """`forward(*args, **kwargs)` in a checkpointed region. The arguments go in as their tensors, which the region
+    saves, and a structure built afresh around them: a list the caller appends to after the call (DenseNet's
+    features) is recomputed as the forward saw it. A forward that changes its tensors or containers in place is
+    refused."""
     hooks = saved_tensor_hooks()
     # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
     if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
-        return forward(self, *args, **kwargs)
+        return forward(*args, **kwargs)
     leaves, spec = tree_flatten((args, kwargs))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     versions = [leaves[i]._version for i in tensors]
@@ -139,11 +79,11 @@ def _region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             filled[i] = t
         a, kw = tree_unflatten(filled, spec)
         if given[0] is not None:  # a recomputation
-            return forward(self, *a, **kw)
+            return forward(*a, **kw)
         given[0] = (a, kw)
         frame = region_frames(saved_tensor_hooks())[-1]
-        out = forward(self, *a, **kw)
-        _SAVED[self] = _saved_bytes(frame, self, inputs[0].shape[0] if inputs and inputs[0].dim() else 1)
+        out = forward(*a, **kw)
+        record_saved(region, _saved_bytes(frame, region, inputs[0].shape[0] if inputs and inputs[0].dim() else 1))
         return out
 
     out = checkpoint(run, *[leaves[i] for i in tensors], use_reentrant=False, preserve_rng_state=True)
@@ -151,28 +91,65 @@ def _region_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
             a is not b for i, (a, b) in enumerate(zip(after, leaves)) if i not in tensors):
         raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but the "
-                                 f"forward of {type(self).__name__} changed its arguments in place: its "
-                                 "recomputation would not be exact")
+                                 f"forward of {type(region_modules(region)[0]).__name__} changed its arguments in "
+                                 "place: its recomputation would not be exact")
     return out
 
 
+def _module_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A module region's forward: its class's, checkpointed."""
+    return _region_call(self, types.MethodType(type(self).forward, self), args, kwargs)
+
+
+def _sequential_forward(runs: list[Run]) -> Callable[..., Any]:
+    """torch's `nn.Sequential.forward` with `runs` of its children each called in one checkpointed region: every
+    child is called as torch calls it (its hooks run), on the output of the one before."""
+    def forward(self: nn.Sequential, input: Any) -> Any:
+        children = list(self._modules.values())
+        done = 0
+        for run in runs:
+            for child in children[done:run.start]:
+                input = child(input)
+            input = _region_call(run, functools.partial(_call_in_turn, run.children()), (input,), {})
+            done = run.stop
+        for child in children[done:]:
+            input = child(input)
+        return input
+    return forward
+
+
+def _call_in_turn(children: list[nn.Module], input: Any) -> Any:
+    for child in children:
+        input = child(input)
+    return input
+
+
 @contextmanager
-def checkpointed(regions: list[nn.Module]) -> Iterator[None]:
-    """The regions' forwards checkpointed until the block ends."""
+def checkpointed(regions: list[Region]) -> Iterator[None]:
+    """The regions' forwards checkpointed until the block ends: a module region's own forward, and the forward of
+    the `nn.Sequential` that holds a run."""
+    runs: dict[nn.Sequential, list[Run]] = {}
+    for r in regions:
+        if isinstance(r, Run):
+            runs.setdefault(r.parent, []).append(r)
+    patched = [m for m in regions if isinstance(m, nn.Module)] + list(runs)
     for m in regions:
-        m.forward = types.MethodType(_region_forward, m)
+        if isinstance(m, nn.Module):
+            m.forward = types.MethodType(_module_forward, m)
+    for seq, its_runs in runs.items():
+        seq.forward = types.MethodType(_sequential_forward(sorted(its_runs, key=lambda r: r.start)), seq)
     try:
         yield
     finally:
-        for m in regions:
+        for m in patched:
             vars(m).pop("forward", None)
 
 
 class _State:
     """What a forward must leave alone in the regions' modules: their attributes and their buffers' versions."""
 
-    def __init__(self, regions: list[nn.Module]) -> None:
-        modules = list(dict.fromkeys(d for r in regions for d in r.modules()))
+    def __init__(self, regions: list[Region]) -> None:
+        modules = list(dict.fromkeys(d for r in regions for m in region_modules(r) for d in m.modules()))
         self.attributes = [(m, dict(vars(m))) for m in modules]
         self.buffers = [(m, name, b, b._version) for m in modules for name, b in m._buffers.items()
                         if b is not None and not (isinstance(m, _BatchNorm) and name in _STEP_STATE)]

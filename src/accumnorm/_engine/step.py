@@ -143,13 +143,18 @@ class Step:
                     f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but at "
                     f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made {theirs}")
 
-    def inner_backward_refusal(self, call: BNCall, index: int,
-                               running: Callable[[], int | None]) -> Callable[[Any], None]:
+    def inner_backward_refusal(self, call: BNCall, index: int, running: Callable[[], int | None],
+                               alone: bool = False) -> Callable[[Any], None]:
         """A prehook for the backward node of BatchNorm call `index`'s output that refuses a backward through it while
         a micro-batch's forward runs (`running()`: that micro-batch, or None): that backward would need every
-        micro-batch's gradient at the call's output, and has only the one micro-batch's. (It holds the call's
-        description, not the call, whose input the graph need not keep.)"""
+        micro-batch's gradient at the call's output, and has only the one micro-batch's; or (`alone`: the only
+        micro-batch) the call keeps its input in checkpointed regions, for one backward: the step's. (It holds the
+        call's description, not the call, whose input the graph need not keep.)"""
         what = self.describe(call)
+        why = ("That call keeps its input in checkpointed regions, where the step's one backward takes it back: "
+               "there is no second backward through it" if alone else
+               "That call's backward is the whole batch's, and needs every micro-batch's gradient at its output, "
+               "which no micro-batch has alone: there is no whole-batch meaning to give it")
 
         def refuse(grad_outputs: Any) -> None:
             k = running()
@@ -157,11 +162,9 @@ class Step:
                 raise ValueError(
                     f"bn='exact': micro-batch {k} ran a backward (a .backward() or torch.autograd.grad in your "
                     f"function) through BatchNorm call {index} ({what}) while the micro-batches' "
-                    "forwards were still running. That call's backward is the whole batch's, and needs every "
-                    "micro-batch's gradient at its output, which no micro-batch has alone: there is no whole-batch "
-                    "meaning to give it. Nothing was changed. For a loss of the whole batch's outputs use forward_fn "
-                    "and batch_loss_fn; else leave the inner backward out (or, for a gradient penalty through "
-                    "BatchNorm, pass bn='micro')")
+                    f"forwards were still running. {why}. Nothing was changed. For a loss of the whole batch's "
+                    "outputs use forward_fn and batch_loss_fn; else leave the inner backward out (or, for a gradient "
+                    "penalty through BatchNorm, pass bn='micro')")
         return refuse
 
     def grad_versions(self) -> list[tuple[int, int] | None]:

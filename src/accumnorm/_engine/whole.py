@@ -74,10 +74,29 @@ class Recompute:
             hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
             if hooks is not None:
                 hooks[0](x)  # the recomputation's pack hook: the piece, where the forward's call saved it
-        with torch.no_grad():
-            if self.stats is None:  # the whole batch's statistics, as torch's kernel computed them in the forward
+        if self.stats is None:  # the whole batch's statistics, as torch's kernel computed them in the forward
+            with torch.no_grad():
                 self.stats = moments(self.whole_input)
-                self.whole_input = None
-            y = normalize_with(x, self.stats.mean, self.stats.var, self.weight, self.bias, self.eps)
-        # Not a leaf: the region may go on in place (ReLU(inplace=True)); a clone saves nothing either.
-        return y.requires_grad_().clone() if self.requires_grad else y
+            self.whole_input = None
+        if not self.requires_grad:
+            with torch.no_grad():
+                return self._normalize(x)
+        return _Again.apply(self._normalize, x, self.weight, self.bias)
+
+    def _normalize(self, x: Tensor) -> Tensor:
+        return normalize_with(x, self.stats.mean, self.stats.var, self.weight, self.bias, self.eps)
+
+
+class _Again(torch.autograd.Function):
+    """A met call's output given again in a region's recomputation, as a non-leaf that requires grad (the region may
+    go on in place, ReLU(inplace=True), and its next ops save what they saved in the forward), with no copy. The
+    recomputation's graph is never back-propagated: the backward runs through the forward's."""
+
+    @staticmethod
+    def forward(ctx, normalize, x, weight, bias):  # type: ignore[override]
+        return normalize(x)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        raise RuntimeError("bn='exact': a backward through a checkpointed region's recomputation of a BatchNorm call, "
+                           "which has no gradient of its own (the forward's call has)")
