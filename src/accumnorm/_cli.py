@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--task", help="bn: normalization under accumulation (default); simclr: contrastive learning "
                                   "under accumulation, methods x configs")
     s.add_argument("--quick", action="store_true",
-                   help="a small offline grid (about 2 min 15 s on 2 CPU cores); other options still override it. "
+                   help="a small offline grid (1.5 to 2 minutes on 2 CPU cores); other options still override it. "
                         f"--task bn: {', '.join(f'{k}={v}' for k, v in QUICK.items())} (shows the finding); "
                         f"--task simclr: {', '.join(f'{k}={v}' for k, v in SIMCLR_QUICK.items())} (a demo)")
     s.add_argument("--dataset", help=f"digits or digits16 (offline, 8x8 or upscaled to 16x16), mnist, fashion-mnist or "
