@@ -226,8 +226,8 @@ def _transaction(model: nn.Module, names: dict[nn.Module, str], micro_batches: l
                           if name == "num_batches_tracked" and isinstance(m, _BatchNorm)}
 
         def new_step() -> Step:
-            steps.append(Step(model, transaction.names, micro_batches, objective, collectives, rng, interrupts,
-                              transaction.restore_buffers, tracked_before, transaction.backward))
+            steps.append(Step(model, transaction.names, transaction.all_params, micro_batches, objective, collectives,
+                              rng, interrupts, transaction.restore_buffers, tracked_before, transaction.backward))
             return steps[-1]
 
         with step_forwards(transaction.modules) if exact else nullcontext():

@@ -32,7 +32,6 @@ from .interrupts import SigintDeferred
 from .objective import BatchLoss, MicroBatchLoss
 from .rng import StepRng
 from .sameness import difference, identical
-from .tree import parameters
 from .whole import Recompute, normalize_whole
 
 __all__ = ["Step"]
@@ -56,7 +55,8 @@ class Step:
     BatchNorm call (`meet`, or `check_same` + `joint_moments` + `record`).
     """
 
-    def __init__(self, model: nn.Module, modules: dict[nn.Module, str], micro_batches: list[Any],
+    def __init__(self, model: nn.Module, modules: dict[nn.Module, str], parameters: list[nn.Parameter],
+                 micro_batches: list[Any],
                  objective: MicroBatchLoss | BatchLoss,
                  collectives: Collectives, rng: StepRng, interrupts: SigintDeferred,
                  restore_buffers: Callable[[], None], tracked_before: dict[_BatchNorm, Tensor],
@@ -83,7 +83,7 @@ class Step:
         self.regions = Regions(self.norm_calls)
         self.graphs = Graphs(model)  # who made which node of the K graphs, checked before their backward
         self.modules = modules  # every module of the model, once, with its name (`tree.module_names`)
-        self.parameters = parameters(modules)
+        self.parameters = parameters  # every parameter of those modules, once (`tree.parameters`)
         self._names: dict[nn.Module, str] | None = None
 
     def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor],
