@@ -4,8 +4,10 @@ was interrupted and rolled back) or as the uninterrupted step leaves it, and not
     python tests/programs/sigint_steps.py --mid-step 10   # prints one line per path, exits 1 on any violation
 
 Each path is interrupted until `--mid-step` signals have landed inside a step, however slow the machine: each moment
-is drawn over the time the last whole step took, and `--max-tries` only guards against an interrupt that never
-lands inside a step.
+is drawn over the time the last whole step took, and the kernel's interval timer fires it, not a thread, which a
+loaded machine may schedule after the step is over: SIGALRM's handler calls SIGINT's handler (accumnorm's, during
+a step) as Python would for a SIGINT landing at that bytecode. `--max-tries` only guards against an interrupt
+that never lands inside a step.
 """
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 
 import greenlet
@@ -65,6 +66,22 @@ def live_coroutines() -> int:
                for o in gc.get_objects())
 
 
+def _sigint(signum: int, frame) -> None:
+    """SIGALRM's handler: SIGINT's handler, called as Python calls it for a SIGINT that lands here (with the frame the
+    signal interrupted; a SIGINT sent from this handler would find the handler's own frame instead)."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler):
+        handler(signal.SIGINT, frame)
+
+
+def _land_the_alarm() -> None:
+    """Wait until the try's alarm has fired (its SIGINT lands here if not during the step), then a moment more for the
+    SIGINT's handler to run."""
+    while signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        time.sleep(signal.getitimer(signal.ITIMER_REAL)[0])
+    time.sleep(0.001)
+
+
 def run_path(name: str, kwargs: dict, mid_step: int, max_tries: int, rng: random.Random) -> list[str]:
     torch.manual_seed(0)
     model, batch = Net(), (torch.randn(12, 1, 8, 8), torch.randint(0, 10, (12,)))
@@ -82,16 +99,14 @@ def run_path(name: str, kwargs: dict, mid_step: int, max_tries: int, rng: random
     while rolled_back < mid_step and tries < max_tries:
         i, tries = tries, tries + 1
         torch.random.set_rng_state(rng_before)
-        fire = threading.Timer(rng.uniform(0, 1.2 * step_s), lambda: os.kill(os.getpid(), signal.SIGINT))
         try:
             try:
-                fire.start()
                 start = time.perf_counter()
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 1.2 * step_s))
                 accumnorm.backward(model, batch, loss_fn, micro_batch_size=3, **kwargs)
                 step_s = time.perf_counter() - start  # a whole step: the next moment is drawn over its time
             finally:
-                fire.join()
-                time.sleep(0.002)  # a signal sent just now is delivered here, if not before
+                _land_the_alarm()
         except KeyboardInterrupt:
             interrupted += 1
         except Exception as e:  # an interrupt must come out as itself
@@ -133,6 +148,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
+    signal.signal(signal.SIGALRM, _sigint)
     rng = random.Random(args.seed)
     problems = [msg for name, kwargs in PATHS.items()
                 for msg in run_path(name, kwargs, args.mid_step, args.max_tries, rng)]
