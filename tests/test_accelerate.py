@@ -142,6 +142,7 @@ def test_a_batch_that_cannot_be_split_changes_nothing():
     assert_state_close(model.state_dict(), before, 0.0)
 
 
+@pytest.mark.realtime
 @pytest.mark.slow
 def test_two_cpu_processes_equal_one_process_with_the_global_batch(tmp_path):
     """2 processes x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64, clipped,

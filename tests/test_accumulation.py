@@ -420,6 +420,7 @@ def test_grad_scaler_scales_the_gradient(schedule):
 @pytest.mark.parametrize("bn,schedule,fail_at", [
     ("micro", "auto", 3), ("exact", "passes", 7), ("exact", "layerwise", 3),
 ])
+@pytest.mark.realtime
 def test_failure_part_way_changes_nothing(primed, bn, schedule, fail_at):
     model, batch, snap = primed
     twin, threads = copy.deepcopy(model), set(threading.enumerate())
@@ -470,6 +471,7 @@ def test_values_per_channel_counted_over_samples_and_positions_like_torch(schedu
         compare(ref, ours, 1e-9)
 
 
+@pytest.mark.realtime
 def test_auto_falls_back_to_recompute_when_layerwise_runs_out_of_memory():
     ref = vgg(nn.Tanh).double()
     ours, batch = copy.deepcopy(ref), data((1, 16, 16), 8, torch.float64)

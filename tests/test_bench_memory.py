@@ -77,6 +77,7 @@ def test_saved_bytes_fall_as_the_backward_frees_what_it_used():
     assert meter.live == 0 and meter.peak == 2 * MiB
 
 
+@pytest.mark.realtime
 @pytest.mark.slow
 @linux_only
 def test_a_child_process_measures_one_configuration_and_reports_its_figures():
@@ -87,6 +88,7 @@ def test_a_child_process_measures_one_configuration_and_reports_its_figures():
     assert memory.peak > 0 and memory.moved >= 2 * memory.saved > 0
 
 
+@pytest.mark.realtime
 @pytest.mark.slow
 @linux_only
 def test_the_benchmark_table_shows_layerwise_holding_what_the_whole_batch_saves():

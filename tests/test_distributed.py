@@ -15,6 +15,8 @@ from models import ranks_batches, ranks_net, ranks_sgd
 from programs.distributed_ranks import SCENARIOS
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every test here runs ranks as processes that meet in gloo collectives, with timeouts against a hang.
+pytestmark = pytest.mark.realtime
 PROGRAM = ROOT / "tests" / "programs" / "distributed_ranks.py"
 
 

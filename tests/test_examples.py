@@ -35,6 +35,7 @@ def test_every_example_is_run_by_a_test():
     assert scripts == {script for script, _ in RUNS.values()} | {"ddp.py", "yolov8n_detection.py"}
 
 
+@pytest.mark.realtime
 @pytest.mark.slow
 @pytest.mark.parametrize("run", RUNS)
 def test_example_prints_its_final_metric(run, tmp_path):
@@ -53,6 +54,7 @@ def test_example_prints_its_final_metric(run, tmp_path):
         assert (tmp_path / "state" / "optimizer.bin").is_file()
 
 
+@pytest.mark.realtime
 @pytest.mark.slow
 def test_yolov8n_example_takes_the_whole_batch_gradient_and_prints_its_loss(tmp_path):
     """Its first step checks itself against a whole-batch forward/backward: accumnorm's gradient is that one (up

@@ -13,6 +13,7 @@ sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402
 
 
+@pytest.mark.realtime
 def test_without_a_gpu_it_checks_nothing_and_says_so_with_exit_status_77():
     proc = subprocess.run([sys.executable, str(SCRIPT)], env={**child_env(), "CUDA_VISIBLE_DEVICES": ""},
                           capture_output=True, text=True, timeout=600)
@@ -41,6 +42,7 @@ def test_a_failing_check_is_one_fail_row_and_the_others_still_run(monkeypatch, c
     assert gpu_check.main(["--device", "cpu"]) == 0
 
 
+@pytest.mark.realtime
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_every_gpu_check_passes_on_this_gpu():

@@ -146,6 +146,7 @@ def test_bad_arguments_fail_when_the_module_is_made(options, error, message):
         lit_classifier()(tiny_bn(), **options)
 
 
+@pytest.mark.realtime
 @pytest.mark.slow
 def test_two_gloo_ranks_under_ddp_equal_one_process_with_the_global_batch(tmp_path):
     """2 ranks x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64, clipped, torch's

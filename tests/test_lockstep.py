@@ -21,6 +21,7 @@ from helpers import EXACT_SCHEDULES, assert_unchanged, ce_loss, compare, rel_err
 from models import data, resnet
 
 
+@pytest.mark.realtime
 def test_loss_fn_runs_once_per_micro_batch_on_the_callers_thread():
     model = resnet(nn.Tanh).double()
     batch = data((1, 8, 8), 10, torch.float64)

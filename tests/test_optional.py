@@ -11,6 +11,7 @@ from helpers import cpu_env
 INTEGRATIONS = {"lightning": "accumnorm.integrations.lightning", "accelerate": "accumnorm.integrations.accelerate"}
 
 
+@pytest.mark.realtime
 def test_importing_accumnorm_imports_no_framework():
     code = f"import sys, accumnorm, accumnorm.integrations; print(sorted({set(INTEGRATIONS)!r} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], env=cpu_env(), capture_output=True, text=True, timeout=600)

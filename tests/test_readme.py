@@ -4,12 +4,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
+@pytest.mark.realtime
 def test_the_quickstart_runs_as_a_script_and_matches_the_whole_batch(tmp_path):
     """The first python block that calls accumnorm.backward, as it stands in the README, in a fresh interpreter."""
     script = next(block for block in re.findall(r"```python\n(.*?)```", README, re.S) if "accumnorm.backward" in block)

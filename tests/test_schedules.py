@@ -369,6 +369,7 @@ class _FailingBackward(torch.autograd.Function):
         return grad, None
 
 
+@pytest.mark.realtime
 def test_failure_in_backward_part_way_changes_nothing(primed, schedule):
     model, batch, snap = primed
     state = {"calls": 0, "fail_at": 3, "lock": threading.Lock()}
@@ -397,6 +398,7 @@ class Bomb(nn.Module):
         return x
 
 
+@pytest.mark.realtime
 def test_forward_failure_between_batchnorm_calls_neither_hangs_nor_changes_anything(schedule):
     """In lockstep the other micro-batches wait at the next BatchNorm call: they must be released."""
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), Bomb(), nn.Linear(8, 8),

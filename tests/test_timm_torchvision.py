@@ -122,6 +122,7 @@ def test_batchnormact_takes_timms_constructor_arguments():
         BatchNormAct2d(None)
 
 
+@pytest.mark.realtime
 def test_convert_leaves_timm_out_until_timm_is_imported():
     """timm stays optional: converting a torch model neither needs nor imports it."""
     program = Path(__file__).parent / "programs" / "convert_without_timm.py"

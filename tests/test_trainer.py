@@ -303,6 +303,7 @@ def test_bf16_autocast_on_cpu_trains_the_study_net():
 
 
 # ---------------------------------------------------------------- kill and resume
+@pytest.mark.realtime
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
     """20 steps, against: killed by SIGKILL in step 12, resumed from the step-10 checkpoint in a fresh
     process, 10 more steps. Parameters, optimizer state, RNG and every logged loss are bit-identical."""

@@ -28,6 +28,7 @@ from helpers import (
 from models import data, resnet, vgg
 
 
+@pytest.mark.realtime
 def test_several_threads_at_once_each_get_their_single_threaded_result():
     torch.manual_seed(0)
     models = [resnet(nn.Tanh).double() for _ in range(3)]
@@ -377,6 +378,7 @@ def test_a_namedtuple_batch_is_split_field_by_field():
     compare(ref, ours, 1e-9)
 
 
+@pytest.mark.realtime
 @pytest.mark.slow
 def test_real_sigints_at_random_moments_lose_nothing():
     """tests/programs/sigint_steps.py: SIGINTs at random moments of steps per path (layerwise, recompute, passes,

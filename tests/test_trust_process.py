@@ -219,6 +219,7 @@ def test_a_step_inside_another_is_refused_saying_steps_cannot_be_nested(schedule
     assert all(p.grad is None for p in inner.parameters())
 
 
+@pytest.mark.realtime
 def test_a_loss_fn_may_wait_for_a_step_on_another_thread(schedule):
     """loss_fn hands a step on another model to a worker thread and waits for it: both steps finish, each exact."""
     torch.manual_seed(0)
@@ -303,6 +304,7 @@ def test_failed_steps_on_a_checkpointed_model_free_everything(schedule, failure,
     assert _live_tensors() <= before
 
 
+@pytest.mark.realtime
 @pytest.mark.slow
 def test_ctrl_c_ends_a_loss_fn_that_waits():
     """tests/programs/sigint_blocked.py: micro-batch 1 blocks inside the model (an Event, a stalled pipe, a queue, a
@@ -332,6 +334,7 @@ def test_ctrl_c_ends_a_loss_fn_that_waits():
     assert len(results) == 5 * (len(EXACT_SCHEDULES) + 1) and all(r.startswith("ok ") for r in results), results
 
 
+@pytest.mark.realtime
 def test_a_second_sigint_while_the_first_waits_for_a_safe_point_is_raised_at_once():
     """A SIGINT that lands in torch's code waits for the step's next safe point; a second one before it is raised
     where it lands (code blocked in torch reaches no safe point). In the user's code the first is raised at once."""

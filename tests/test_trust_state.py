@@ -170,6 +170,7 @@ class ReadsLocal(nn.Module):
         return self.body[3:](h + self.local.shift)
 
 
+@pytest.mark.realtime
 def test_a_threading_local_with_a_graph_read_after_a_batch_norm_call_is_exact_or_refused(schedule_any):
     local = threading.local()
     ref, ours = ReadsLocal(local), ReadsLocal(local)  # the same weights (net() seeds), one threading.local

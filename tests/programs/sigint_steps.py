@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import os
 import random
 import signal
 import sys
