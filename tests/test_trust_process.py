@@ -355,6 +355,30 @@ def test_a_second_sigint_while_the_first_waits_for_a_safe_point_is_raised_at_onc
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_sigint_in_a_weakref_callback_during_a_step_waits_for_a_safe_point():
+    """A weakref callback (a WeakKeyDictionary's, a WeakSet's), run as a step frees tensors, is where the interpreter
+    swallows an exception ("Exception ignored in"): a SIGINT landing there would be lost, so it waits for the step's
+    next safe point, as in torch's code."""
+    from accumnorm._engine.interrupts import SigintDeferred
+
+    raised_at_once = []
+    for module in ("weakref", "_weakrefset"):
+        frame = eval("__import__('sys')._getframe()", {"__name__": module})  # a frame of that module's code
+        deferred = SigintDeferred()
+        deferred.start()
+        try:
+            try:
+                deferred._record(signal.SIGINT, frame)  # what the signal calls there
+            except KeyboardInterrupt:
+                raised_at_once.append(module)
+            else:
+                with pytest.raises(KeyboardInterrupt):
+                    deferred.check()  # the next safe point
+        finally:
+            deferred.close()
+    assert not raised_at_once, f"a SIGINT in the code of {raised_at_once} was raised where it lands"
+
+
 def _nested(depth: int) -> nn.Module:
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh())
     for _ in range(depth):

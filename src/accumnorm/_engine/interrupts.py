@@ -26,7 +26,9 @@ from typing import Any
 __all__ = ["SigintDeferred"]
 
 
-_DEFERRED_IN = ("torch", "accumnorm", "contextlib", "greenlet")  # the packages whose code a SIGINT waits for
+# The packages whose code a SIGINT waits for; weakref's callbacks among them, which the interpreter runs as torch's
+# tensors and graphs are freed, and where it would print an exception raised in them and go on without it.
+_DEFERRED_IN = ("torch", "accumnorm", "contextlib", "greenlet", "weakref", "_weakrefset")
 
 
 def _in_torch(frame: FrameType | None) -> bool:
