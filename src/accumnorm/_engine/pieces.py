@@ -61,20 +61,25 @@ class _Local:
         """BatchNorm's backward with the forward's mean and invstd, over the pieces one at a time: no tensor of the
         whole batch, and each piece of `xs` let go of (set to None) once its input gradient is made."""
         mean, invstd, shape = self.mean, self.invstd, channel_shape(xs[0])
-        dims = [0, *range(2, xs[0].dim())]
-        sum_dy, sum_dy_xmu, count = torch.zeros_like(mean), torch.zeros_like(mean), 0
+        sum_dy, sum_dy_xhat, count = torch.zeros_like(mean), torch.zeros_like(mean), 0
         for x, dy in zip(xs, dys):
-            d = dy.to(mean.dtype)
-            sum_dy += d.sum(dims)
-            sum_dy_xmu += (d * (x.to(mean.dtype) - mean.view(shape))).sum(dims)
+            if x.numel() == 0:  # an empty piece adds nothing (and torch's kernel does not take one)
+                continue
+            # torch's BatchNorm backward kernel, asked for its weight and bias gradients alone: the piece's
+            # sum(dy * x_hat) and sum(dy) in one pass, with the whole batch's mean and invstd.
+            _, piece_dy_xhat, piece_dy = torch.ops.aten.native_batch_norm_backward(
+                dy.to(mean.dtype), x.to(mean.dtype), None, None, None, mean, invstd, True, self.eps,
+                [False, True, True])
+            sum_dy += piece_dy
+            sum_dy_xhat += piece_dy_xhat
             count += x.numel() // x.shape[1]
-        dw = sum_dy_xmu * invstd if needs[1] else None
+        dw = sum_dy_xhat if needs[1] else None
         db = sum_dy if needs[2] else None
         dxs = None
         if needs[0]:
             # dx = scale * (dy - (sum_dy + x_hat * sum(dy * x_hat)) / N) as dy * scale + x * slope + offset
             scale = invstd if weight is None else invstd * weight.detach().to(invstd.dtype)
-            slope = -scale * invstd * invstd * sum_dy_xmu / count
+            slope = -scale * invstd * sum_dy_xhat / count
             offset = -scale * sum_dy / count - slope * mean
             dxs = []
             for k, dy in enumerate(dys):
