@@ -1,10 +1,18 @@
 """pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one
 (`schedule_any`: and "auto");
 `one_thread` for tests of small tensors; tests marked `cuda` skip, saying why, without a GPU."""
+import signal
+
 import pytest
 import torch
 
 from helpers import EXACT_SCHEDULES, STEP_SCHEDULES
+
+# A shell without job control starts a background job (`.ci/run &`) with SIGINT ignored, and every process it starts
+# inherits that: the tests of Ctrl-C would then send signals nothing receives. They test Python's KeyboardInterrupt,
+# as in a terminal; a handler installed here is reset to the default in each child program, which installs Python's.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):

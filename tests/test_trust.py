@@ -3,6 +3,7 @@ half-precision models, running statistics of every kind, rollback of every buffe
 from __future__ import annotations
 
 import copy
+import signal
 import subprocess
 import sys
 import threading
@@ -376,6 +377,17 @@ def test_a_namedtuple_batch_is_split_field_by_field():
     loss = accumnorm.backward(ours, Pair(x, y), lambda m, b: F.cross_entropy(m(b.x), b.y), micro_batch_size=2)
     assert rel_err(loss, expected) < 1e-12
     compare(ref, ours, 1e-9)
+
+
+@pytest.mark.realtime
+def test_the_sigint_program_interrupts_when_started_with_sigint_ignored():
+    """A shell without job control starts a background job with SIGINT ignored (`.ci/run &`): sigint_steps.py puts
+    Python's KeyboardInterrupt back, so its interrupts still land, rather than trying until --max-tries."""
+    program = Path(__file__).parent / "programs" / "sigint_steps.py"
+    proc = subprocess.run([sys.executable, str(program), "--mid-step", "1", "--max-tries", "30"], env=cpu_env(),
+                          capture_output=True, text=True, timeout=600,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.realtime

@@ -147,6 +147,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
     signal.signal(signal.SIGALRM, _sigint)
     rng = random.Random(args.seed)
     problems = [msg for name, kwargs in PATHS.items()
