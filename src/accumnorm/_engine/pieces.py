@@ -63,7 +63,7 @@ class _Local:
         mean, invstd, shape = self.mean, self.invstd, channel_shape(xs[0])
         sum_dy, sum_dy_xhat, count = torch.zeros_like(mean), torch.zeros_like(mean), 0
         for x, dy in zip(xs, dys):
-            if x.numel() == 0:  # an empty piece adds nothing (and torch's kernel does not take one)
+            if x.numel() == 0:  # an empty piece adds nothing (and torch's kernel kills the process on one: SIGFPE)
                 continue
             # torch's BatchNorm backward kernel, asked for its weight and bias gradients alone: the piece's
             # sum(dy * x_hat) and sum(dy) in one pass, with the whole batch's mean and invstd.

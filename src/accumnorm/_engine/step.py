@@ -56,8 +56,7 @@ class Step:
     """
 
     def __init__(self, model: nn.Module, modules: dict[nn.Module, str], parameters: list[nn.Parameter],
-                 micro_batches: list[Any],
-                 objective: MicroBatchLoss | BatchLoss,
+                 micro_batches: list[Any], objective: MicroBatchLoss | BatchLoss,
                  collectives: Collectives, rng: StepRng, interrupts: SigintDeferred,
                  restore_buffers: Callable[[], None], tracked_before: dict[_BatchNorm, Tensor],
                  backward: Callable[..., None]) -> None:
