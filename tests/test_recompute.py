@@ -90,6 +90,52 @@ def test_hooks_inside_a_region_run_again_in_its_recomputation():
     assert calls == {"first": 8, "last": 8, "head": 4}
 
 
+def count_convolutions(conv: nn.Conv2d) -> list[int]:
+    """How often `conv` computes its output (its `_conv_forward`), whoever calls it."""
+    runs = [0]
+    compute = conv._conv_forward
+
+    def counted(*args):
+        runs[0] += 1
+        return compute(*args)
+    conv._conv_forward = counted
+    return runs
+
+
+class InPlace(Block):
+    """A block whose first convolution's output is changed in place before its BatchNorm."""
+
+    def forward(self, x):
+        h = torch.tanh(self.b1(F.relu(self.c1(x), inplace=True)))
+        return x + self.b2(self.c2(h))
+
+
+@pytest.mark.parametrize("block, runs", [(Block, 1), (InPlace, 2)])
+def test_a_region_keeps_its_costly_convolutions_outputs_unless_the_forward_changes_them(block, runs):
+    """A convolution of 32 channels at 3x3 (288 products per output value) keeps its output for its region's
+    recomputation: it runs once per micro-batch, as in plain accumulation, where one of 8 channels runs twice (its
+    region recomputes it). An output changed in place after the convolution is computed again. Exact either way."""
+    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(),
+                          *[block(c=32) for _ in range(4)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(32, 10)).double()
+    batch = data((1, 6, 6), 8, torch.float64)
+    regions = choose_regions(model)
+    assert model[3] in regions
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    kept = count_convolutions(model[3].c1)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert kept == [4 * runs]
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+    narrow_model = net()
+    narrow_runs = count_convolutions(narrow_model[3].c1)
+    accumnorm.backward(narrow_model, data((1, 6, 6), 8, torch.float64), ce_loss, micro_batch_size=2,
+                       schedule="recompute")
+    assert narrow_runs == [8]
+
+
 class Counting(Block):
     def __init__(self) -> None:
         super().__init__()

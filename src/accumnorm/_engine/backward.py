@@ -89,8 +89,9 @@ def backward(
         schedule: how exact mode runs. "layerwise": the micro-batches' forwards in lockstep on this thread,
             meeting at each BatchNorm call; about the cost of plain accumulation, keeping the whole batch's
             saved tensors in `store`. "recompute": layerwise with the model cut into checkpointed regions
-            (``torch.utils.checkpoint``, made exact): it keeps the regions' inputs of the whole batch and
-            recomputes the rest in the backward, about one forward more (see docs/schedules.md).
+            (``torch.utils.checkpoint``, made exact): it keeps the regions' inputs of the whole batch and the
+            outputs of their costliest convolutions, and recomputes the rest in the backward, at most one
+            forward more (see docs/schedules.md).
             "passes": 2L + 1 passes for L BatchNorm calls, the memory of one micro-batch. "auto": the first of
             layerwise, recompute and passes whose memory fits `memory_budget`, judged from this model's
             figures (measured at its first step, which runs metered and stops before it passes the budget);

@@ -109,6 +109,9 @@ class NormCalls(TorchFunctionMode):
         super().__init__()
         self.on_batch_norm, self.on_instance_norm = on_batch_norm, on_instance_norm
         self.owners, self.stop, self.seen, self.versions, self.graphs = owners, stop, seen, versions, graphs
+        # `convolutions(layer, forward, args, kwargs)`, where set: how torch's convolution layers run under this mode
+        # (`forwards`), for the recompute schedule's kept outputs (`kept`).
+        self.convolutions: Callable[..., Tensor] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: A002 - torch's signature
         kwargs = kwargs or {}

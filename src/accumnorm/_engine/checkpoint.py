@@ -16,14 +16,17 @@ statistic moves). The wrapper lives on the frame, which lives as long as the ste
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .calls import BNCall, INCall, NormCalls
+from .kept import Kept
 from .threadstate import saved_tensor_hooks
 
 __all__ = ["Regions", "in_region", "region_frames"]
@@ -45,6 +48,26 @@ class Regions:
         # frame holds its region's inputs, which the backward frees region by region as it goes down, as torch's
         # checkpoint would.
         self.calls: dict[int, tuple[weakref.ref, list[Recompute], Any]] = {}
+        self.kept: Kept | None = None  # the recompute schedule's kept convolution outputs, while it runs
+
+    def keep_convolutions(self, modules: Iterable[Any]) -> None:
+        """Let the convolutions among `modules` keep their outputs for the recomputation of the regions that `own`
+        names, until `clear`."""
+        self.kept = Kept(modules)
+
+    def own(self, frame: Any) -> None:
+        """A region frame of the recompute schedule's own (not the user's checkpoint)."""
+        if self.kept is not None:
+            self.kept.own(frame)
+
+    def convolution(self, module: Any, forward: Callable[..., Tensor], args: tuple, kwargs: dict) -> Tensor:
+        """A convolution layer's call in a micro-batch's forward: its output kept, in an owned region."""
+        if self.kept is not None and module in self.kept.modules and len(args) == 1 and not kwargs:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            frames = _forward_regions((top,)) if top is not None else ()  # in the region, no hooks of the user's
+            if frames and self.kept.owns(frames[0]):
+                return self.kept.record(frames[0], module, forward, args[0])
+        return forward(module, *args, **kwargs)
 
     def enter_forward_call(self, recompute: Recompute, hooks: tuple[tuple[Any, Any], ...] | None = None) -> None:
         """Record a forward call, with how to give its output again, in every region it is made in (`hooks`: the
@@ -72,7 +95,9 @@ class Regions:
                                      "than its forward; the region's function must make the same calls each time")
                 return recompute(call.input)
 
-            with self.norm_calls(batch_norm, INCall.output):  # InstanceNorm: the same output, no update
+            mode = self.norm_calls(batch_norm, INCall.output)  # InstanceNorm: the same output, no update
+            mode.convolutions = functools.partial(self._replay, frame) if self.kept is not None else None
+            with mode:
                 out = original(*args)
             # Ran to its end (torch's early stop ends it with an exception once everything is saved again).
             if next(pending, None) is not None:
@@ -81,6 +106,14 @@ class Regions:
             return out
 
         frame.recompute_fn = recompute_fn
+
+    def _replay(self, frame: Any, module: Any, forward: Callable[..., Tensor], args: tuple, kwargs: dict) -> Tensor:
+        """A convolution layer's call in a region's recomputation: the kept output, if the call kept one."""
+        if self.kept is not None and module in self.kept.modules and len(args) == 1 and not kwargs:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and in_recomputation((top,)):  # the region's own, not a region inside it
+                return self.kept.replay(frame, module, forward, args[0])
+        return forward(module, *args, **kwargs)
 
     def clear(self) -> None:
         """Let go of the recorded calls, and give each frame its own recompute_fn back, at the end of the step.
@@ -94,6 +127,9 @@ class Regions:
             if frame is not None:
                 frame.recompute_fn = own
         self.calls.clear()
+        if self.kept is not None:
+            self.kept.clear()
+            self.kept = None
 
 
 def in_region(hooks: tuple[tuple[Any, Any], ...]) -> bool:

@@ -5,7 +5,8 @@ sees, which on a model of many small layers weighs as much as the rest of the st
 come from torch's own layers, whose code is known, so for the length of a step:
 
 - torch's plain layers (`_PLAIN_LAYERS`: convolutions, linear layers, activations, pooling, dropout), which
-  make no normalization call and run none of the user's code, run with the mode lifted;
+  make no normalization call and run none of the user's code, run with the mode lifted (a convolution through
+  the mode's `convolutions`, where it has one);
 - torch's BatchNorm layers run `_BatchNorm.forward` with the mode lifted and hand their one call to it
   directly, as F.batch_norm would have through it;
 - SyncBatchNorm (and its subclasses) runs as plain BatchNorm, the same way: under an initialized process
@@ -30,6 +31,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .calls import NormCalls
+from .kept import CONVOLUTIONS
 
 __all__ = ["step_forwards"]
 
@@ -84,6 +86,8 @@ def _plain_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return forward(self, *args, **kwargs)
     mode = _C._pop_torch_function_stack()
     try:
+        if mode.convolutions is not None and type(self) in CONVOLUTIONS:
+            return mode.convolutions(self, forward, args, kwargs)
         return forward(self, *args, **kwargs)
     finally:
         _C._push_on_torch_function_stack(mode)

@@ -7,7 +7,8 @@ the region's inputs and recomputes the rest when the backward reaches it. `check
 recomputation exact (the forward's whole-batch BatchNorm outputs again, no running-statistics update), and
 `pieces` keeps each BatchNorm input in its region's place. The step then holds the regions' inputs of the
 whole batch, what runs outside regions, and, during the backward, one region's recomputed tensors for all K
-micro-batches at once (a met BatchNorm call's backward needs every piece); it runs the regions' forwards twice.
+micro-batches at once (a met BatchNorm call's backward needs every piece); it runs the regions' forwards twice,
+but for the costliest convolutions, whose outputs the regions keep instead (`kept`: few bytes for much work).
 
 Regions (`regions.choose_regions`) are modules, or runs of an `nn.Sequential`'s children, of about the square
 root of the model's layers each. A module region's forward is its class's, checkpointed; a run's is its
@@ -59,11 +60,12 @@ def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
     return max(0, saved - params) / max(1, rows)
 
 
-def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+                 own: Callable[[Any], None]) -> Any:
     """`forward(*args, **kwargs)` in a checkpointed region. The arguments go in as their tensors, which the region
     saves, and a structure built afresh around them: a list the caller appends to after the call (DenseNet's
     features) is recomputed as the forward saw it. A forward that changes its tensors or containers in place is
-    refused."""
+    refused. `own(frame)` learns of the region's checkpoint frame, in which convolutions may keep their outputs."""
     hooks = saved_tensor_hooks()
     # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
     if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
@@ -82,6 +84,7 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
             return forward(*a, **kw)
         given[0] = (a, kw)
         frame = region_frames(saved_tensor_hooks())[-1]
+        own(frame)
         out = forward(*a, **kw)
         record_saved(region, _saved_bytes(frame, region, inputs[0].shape[0] if inputs and inputs[0].dim() else 1))
         return out
@@ -96,12 +99,14 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
     return out
 
 
-def _module_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+def _module_forward(own: Callable[[Any], None]) -> Callable[..., Any]:
     """A module region's forward: its class's, checkpointed."""
-    return _region_call(self, types.MethodType(type(self).forward, self), args, kwargs)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _region_call(self, types.MethodType(type(self).forward, self), args, kwargs, own)
+    return forward
 
 
-def _sequential_forward(runs: list[Run]) -> Callable[..., Any]:
+def _sequential_forward(runs: list[Run], own: Callable[[Any], None]) -> Callable[..., Any]:
     """torch's `nn.Sequential.forward` with `runs` of its children each called in one checkpointed region: every
     child is called as torch calls it (its hooks run), on the output of the one before."""
     def forward(self: nn.Sequential, input: Any) -> Any:
@@ -110,7 +115,7 @@ def _sequential_forward(runs: list[Run]) -> Callable[..., Any]:
         for run in runs:
             for child in children[done:run.start]:
                 input = child(input)
-            input = _region_call(run, functools.partial(_call_in_turn, run.children()), (input,), {})
+            input = _region_call(run, functools.partial(_call_in_turn, run.children()), (input,), {}, own)
             done = run.stop
         for child in children[done:]:
             input = child(input)
@@ -125,9 +130,9 @@ def _call_in_turn(children: list[nn.Module], input: Any) -> Any:
 
 
 @contextmanager
-def checkpointed(regions: list[Region]) -> Iterator[None]:
+def checkpointed(regions: list[Region], own: Callable[[Any], None]) -> Iterator[None]:
     """The regions' forwards checkpointed until the block ends: a module region's own forward, and the forward of
-    the `nn.Sequential` that holds a run."""
+    the `nn.Sequential` that holds a run. `own(frame)` learns of each checkpoint frame they make."""
     runs: dict[nn.Sequential, list[Run]] = {}
     for r in regions:
         if isinstance(r, Run):
@@ -135,9 +140,9 @@ def checkpointed(regions: list[Region]) -> Iterator[None]:
     patched = [m for m in regions if isinstance(m, nn.Module)] + list(runs)
     for m in regions:
         if isinstance(m, nn.Module):
-            m.forward = types.MethodType(_module_forward, m)
+            m.forward = types.MethodType(_module_forward(own), m)
     for seq, its_runs in runs.items():
-        seq.forward = types.MethodType(_sequential_forward(sorted(its_runs, key=lambda r: r.start)), seq)
+        seq.forward = types.MethodType(_sequential_forward(sorted(its_runs, key=lambda r: r.start), own), seq)
     try:
         yield
     finally:
@@ -175,10 +180,12 @@ def recompute(step: Step, store: Store | None) -> None:
     Raises RegionStateChanged, before any backward, if a region's forward changed its module's state.
     """
     regions = choose_regions(step.model)
-    with checkpointed(regions):
+    step.regions.keep_convolutions(step.modules)
+    with checkpointed(regions, step.regions.own):
         state = _State(regions)
 
         def check_unchanged() -> None:
+            step.regions.kept.seal()
             problem = state.changed(step.names)
             if problem is not None:
                 raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but "

@@ -88,8 +88,11 @@ class Step:
     def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor],
                    on_instance_norm: Callable[[INCall], Tensor]) -> NormCalls:
         """The TorchFunctionMode that sends this step's norm calls to a schedule's handlers."""
-        return NormCalls(on_batch_norm, on_instance_norm, self.owners, Step.forward.__code__, self.seen,
+        mode = NormCalls(on_batch_norm, on_instance_norm, self.owners, Step.forward.__code__, self.seen,
                          self.tracked_versions, self.graphs)
+        if self.regions.kept is not None:
+            mode.convolutions = self.regions.convolution
+        return mode
 
     def forward(self, k: int) -> Any:
         """Micro-batch k's forward: its loss (checked), or its outputs for a whole-batch loss."""

@@ -1,0 +1,154 @@
+"""Convolutions whose outputs a recompute region keeps, so that its recomputation need not run them again.
+
+A checkpointed region runs its whole forward again in the backward. Most of that time goes to convolutions,
+and a convolution that sums many products for each value it outputs (`in_channels / groups` x kernel size: its
+reduction) costs much time for the memory its output takes. Inside the recompute schedule's own regions, a
+convolution of reduction `MIN_REDUCTION` or more keeps its output:
+
+- in the region's forward it runs as usual, under a pack hook that notes which of its arguments autograd saved;
+  its output is kept, packed by the step's own saved-tensor hooks (the hooks below the region's: the host store
+  or the budget's meter, where there is one), as any tensor the step keeps for its backward;
+- in the recomputation the same call packs those same arguments in the region's place, as the convolution
+  did, and gives the kept output back instead of running.
+
+Only a call of the forward's, in its order, with the same module and input shape, gets its output back; an
+output the forward changed in place afterwards (a `ReLU(inplace=True)`: seen once the forwards are over), an
+argument autograd saved that is not
+the call's own (an autocast copy), or a call the recomputation makes otherwise runs again as usual, which is
+what the region would have done. The result is the forward's output, bit for bit, so exactness is unchanged.
+
+Why not torch's selective checkpointing (`context_fn`): its TorchDispatchMode sees every op of every region,
+in the forward and again in the recomputation, a Python call per op, and it refuses a kept output changed in
+place instead of running that op again.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from .threadstate import saved_tensor_hooks
+
+__all__ = ["CONVOLUTIONS", "MIN_REDUCTION", "Kept", "keeps"]
+
+MIN_REDUCTION = 256  # in_channels / groups x kernel size: a convolution that does this much per output value
+CONVOLUTIONS = frozenset({nn.Conv1d, nn.Conv2d, nn.Conv3d})  # torch's, exact classes
+
+
+def keeps(conv: nn.Module) -> bool:
+    """Whether a convolution's output is worth keeping (module doc)."""
+    if type(conv) not in CONVOLUTIONS:
+        return False
+    w = conv.weight
+    return w.shape[1] * math.prod(w.shape[2:]) >= MIN_REDUCTION
+
+
+class _Call:
+    """One kept convolution call of a region's forward: its output, packed by the step's own saved-tensor hooks."""
+
+    __slots__ = ("module", "shape", "output", "version", "packed", "unpack", "roles")
+
+    def __init__(self, module: nn.Module, shape: torch.Size, output: Tensor, roles: list[int] | None,
+                 hooks: tuple[Any, Any] | None) -> None:
+        self.module, self.shape, self.roles = module, shape, roles
+        self.output, self.version = output.detach(), output._version
+        self.unpack = None if hooks is None else hooks[1]
+        self.packed = self.output if hooks is None else hooks[0](self.output)
+
+    def seal(self) -> None:
+        """At the forwards' end: an output changed in place since is not given back; let go of the output itself."""
+        if self.output is not None and self.output._version != self.version:
+            self.roles = None
+        self.output = None
+
+    def given(self) -> Tensor:
+        return self.packed if self.unpack is None else self.unpack(self.packed)
+
+    def arguments(self, input: Tensor) -> tuple[Tensor, ...]:  # noqa: A002 - torch's name
+        return input, self.module.weight, self.module.bias
+
+
+class Kept:
+    """The kept convolution outputs of one step's regions, per region frame (a micro-batch's call of a region)."""
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self.modules = frozenset(m for m in modules if keeps(m))  # the convolutions worth keeping
+        self.frames: dict[int, tuple[weakref.ref, deque[_Call]]] = {}
+
+    def own(self, frame: Any) -> None:
+        """Keep convolution outputs in this region frame (one of the schedule's own regions, not the user's)."""
+        key = id(frame)
+        self.frames[key] = (weakref.ref(frame, lambda _, key=key: self.frames.pop(key, None)), deque())
+
+    def owns(self, frame: Any) -> bool:
+        entry = self.frames.get(id(frame))
+        return entry is not None and entry[0]() is frame
+
+    def record(self, frame: Any, module: nn.Module, forward: Callable[..., Tensor],
+               input: Tensor) -> Tensor:  # noqa: A002
+        """Run a convolution directly in an owned region frame's forward, keeping its output. The output is packed
+        by the hooks below the region's (the step's store or meter, if any), as a tensor the step saves."""
+        hooks = saved_tensor_hooks()
+        pack, unpack = hooks[-1]
+        packed: list[Tensor] = []
+
+        def observe(t: Tensor) -> Any:
+            packed.append(t)
+            return pack(t)
+
+        with torch.autograd.graph.saved_tensors_hooks(observe, unpack):
+            out = forward(module, input)
+        args = (input, module.weight, module.bias)
+        roles = [next((i for i, a in enumerate(args) if a is t), -1) for t in packed]
+        self.frames[id(frame)][1].append(_Call(module, input.shape, out, None if -1 in roles else roles,
+                                               hooks[-2] if len(hooks) > 1 else None))
+        return out
+
+    def seal(self) -> None:
+        """The forwards are over: see which kept outputs they changed in place (`_Call.seal`)."""
+        for _, calls in self.frames.values():
+            for call in calls:
+                call.seal()
+
+    def replay(self, frame: Any, module: nn.Module, forward: Callable[..., Tensor], input: Tensor) -> Tensor:  # noqa: A002
+        """A convolution of a region's recomputation: the forward's output again where it can be (module doc)."""
+        entry = self.frames.get(id(frame))
+        calls = entry[1] if entry is not None and entry[0]() is frame else None
+        call = calls.popleft() if calls else None
+        if call is None or call.module is not module or call.shape != input.shape:
+            if calls:
+                calls.clear()  # out of step with the forward: the rest of the region runs as it is
+            return forward(module, input)
+        if call.roles is None:
+            return forward(module, input)
+        pack = torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
+        args = call.arguments(input)
+        for role in call.roles:
+            pack(args[role])
+        output = call.given()
+        if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args):
+            return _Given.apply(output, *(a for a in args if a is not None))
+        return output
+
+    def clear(self) -> None:
+        self.frames.clear()
+
+
+class _Given(torch.autograd.Function):
+    """A kept output given back in a recomputation, as a non-leaf that requires grad (what comes next in the region
+    saves what it saved in the forward). The recomputation's graph is never back-propagated: the forward's is."""
+
+    @staticmethod
+    def forward(ctx, output, *arguments):  # type: ignore[override]
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        raise RuntimeError("bn='exact': a backward through a checkpointed region's recomputation of a convolution, "
+                           "which has no gradient of its own (the forward's call has)")
