@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointError
 
 import accumnorm
+from accumnorm._engine import kept
+from accumnorm._engine import regions as regions_module
 from accumnorm._engine.regions import Run, choose_regions
 from helpers import SavedBytes, assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
 from models import data
@@ -90,6 +92,13 @@ def test_hooks_inside_a_region_run_again_in_its_recomputation():
     assert calls == {"first": 8, "last": 8, "head": 4}
 
 
+def wide(block=Block) -> nn.Sequential:
+    """A stem and four blocks of 32 channels: each block's two 3x3 convolutions sum 288 products per output value."""
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(),
+                         *[block(c=32) for _ in range(4)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(32, 10)).double()
+
+
 def count_convolutions(conv: nn.Conv2d) -> list[int]:
     """How often `conv` computes its output (its `_conv_forward`), whoever calls it."""
     runs = [0]
@@ -113,27 +122,65 @@ class InPlace(Block):
 @pytest.mark.parametrize("block, runs", [(Block, 1), (InPlace, 2)])
 def test_a_region_keeps_its_costly_convolutions_outputs_unless_the_forward_changes_them(block, runs):
     """A convolution of 32 channels at 3x3 (288 products per output value) keeps its output for its region's
-    recomputation: it runs once per micro-batch, as in plain accumulation, where one of 8 channels runs twice (its
-    region recomputes it). An output changed in place after the convolution is computed again. Exact either way."""
-    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(),
-                          *[block(c=32) for _ in range(4)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    recomputation, from the step after the one that measured it (the first block's first one: of equal reductions,
+    the first in the model's order fits in the allowance): it then runs once per micro-batch, as in plain
+    accumulation, where one of 8 channels runs twice (its region recomputes it). An output changed in place after
+    the convolution is computed again. Exact either way."""
+    model, batch = wide(block), data((1, 6, 6), 8, torch.float64)
+    assert model[3] in choose_regions(model)
+    ref = copy.deepcopy(model)
+    for step in range(2):
+        for m in (model, ref):
+            m.zero_grad()
+        expected = whole_batch(ref, batch)
+        conv = count_convolutions(model[3].c1)
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+        assert accumnorm.last_schedule(model).schedule == "recompute"
+        assert conv == [8 if step == 0 else 4 * runs]
+        assert rel_err(loss, expected) < 1e-12
+        compare(ref, model, 1e-9)
+    narrow = net()
+    for _ in range(2):
+        narrow_runs = count_convolutions(narrow[3].c1)
+        accumnorm.backward(narrow, data((1, 6, 6), 8, torch.float64), ce_loss, micro_batch_size=2,
+                           schedule="recompute")
+    assert narrow_runs == [8]
+
+
+def test_under_autocast_a_convolution_saves_a_copy_and_runs_again():
+    """Autocast saves the convolution's arguments as bfloat16 copies, which the recomputation cannot pack again
+    without running it: the convolution runs twice, as in any checkpointed region. The blocks stay regions once
+    measured: a region's saved bytes leave out its weights' bfloat16 copies, not their float32 size (which left
+    nothing, and every region ran as it is)."""
+    model, batch = wide().float(), data((1, 6, 6), 8, torch.float32)
+    for _ in range(2):
+        runs = count_convolutions(model[3].c1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+        assert accumnorm.last_schedule(model).schedule == "recompute"
+        assert all(model[i] in choose_regions(model) for i in range(3, 7))
+        assert runs == [8]
+        assert torch.isfinite(loss)
+
+
+def test_the_kept_outputs_fit_in_a_quarter_of_the_largest_regions_saved_bytes():
+    """Of the candidates (every block's two convolutions), those of the largest reductions keep their outputs, as many
+    as fit in the allowance: a quarter of what the largest region saves, per sample."""
+    model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Tanh(),
+                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(),
+                          *[Block(c=32) for _ in range(5)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                           nn.Linear(32, 10)).double()
     batch = data((1, 6, 6), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
     regions = choose_regions(model)
-    assert model[3] in regions
-    ref = copy.deepcopy(model)
-    expected = whole_batch(ref, batch)
-    kept = count_convolutions(model[3].c1)
-    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
-    assert accumnorm.last_schedule(model).schedule == "recompute"
-    assert kept == [4 * runs]
-    assert rel_err(loss, expected) < 1e-12
-    compare(ref, model, 1e-9)
-    narrow_model = net()
-    narrow_runs = count_convolutions(narrow_model[3].c1)
-    accumnorm.backward(narrow_model, data((1, 6, 6), 8, torch.float64), ce_loss, micro_batch_size=2,
-                       schedule="recompute")
-    assert narrow_runs == [8]
+    allowance = regions_module.keep_allowance(regions)
+    candidates = [m for m in model.modules() if kept.keeps(m)]
+    sizes = [kept._OUTPUT_BYTES[m] for m in candidates if m in kept._OUTPUT_BYTES]
+    assert allowance > 0 and len(sizes) >= 8
+    chosen = kept._choose(candidates, allowance)
+    assert 0 < len(chosen) < len(sizes)  # some fit, not all
+    assert sum(kept._OUTPUT_BYTES[m] for m in chosen) <= allowance
+    assert allowance == 0.25 * max(regions_module._SAVED[r][0] for r in regions if isinstance(r, nn.Module))
 
 
 class Counting(Block):

@@ -50,10 +50,10 @@ class Regions:
         self.calls: dict[int, tuple[weakref.ref, list[Recompute], Any]] = {}
         self.kept: Kept | None = None  # the recompute schedule's kept convolution outputs, while it runs
 
-    def keep_convolutions(self, modules: Iterable[Any]) -> None:
+    def keep_convolutions(self, modules: Iterable[Any], allowance: float, micro_batches: int) -> None:
         """Let the convolutions among `modules` keep their outputs for the recomputation of the regions that `own`
-        names, until `clear`."""
-        self.kept = Kept(modules)
+        names, in `allowance` bytes per sample, over the step's `micro_batches` (`kept`), until `clear`."""
+        self.kept = Kept(modules, allowance, micro_batches)
 
     def own(self, frame: Any) -> None:
         """A region frame of the recompute schedule's own (not the user's checkpoint)."""
@@ -61,12 +61,12 @@ class Regions:
             self.kept.own(frame)
 
     def convolution(self, module: Any, forward: Callable[..., Tensor], args: tuple, kwargs: dict) -> Tensor:
-        """A convolution layer's call in a micro-batch's forward: its output kept, in an owned region."""
-        if self.kept is not None and module in self.kept.modules and len(args) == 1 and not kwargs:
+        """A convolution layer's call in a micro-batch's forward: measured and perhaps kept, in an owned region."""
+        if self.kept is not None and module in self.kept.candidates and len(args) == 1 and not kwargs:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
             frames = _forward_regions((top,)) if top is not None else ()  # in the region, no hooks of the user's
             if frames and self.kept.owns(frames[0]):
-                return self.kept.record(frames[0], module, forward, args[0])
+                return self.kept.run(frames[0], module, forward, args[0])
         return forward(module, *args, **kwargs)
 
     def enter_forward_call(self, recompute: Recompute, hooks: tuple[tuple[Any, Any], ...] | None = None) -> None:
@@ -83,7 +83,7 @@ class Regions:
 
     def _recompute_in_step(self, frame: Any, recorded: list[Recompute]) -> None:
         """Make the region's recomputation run under the step's mode, replaying the recorded calls in order."""
-        original = frame.recompute_fn
+        original, frame_ref = frame.recompute_fn, weakref.ref(frame)  # weak: the frame holds this function
 
         def recompute_fn(*args: Any) -> Any:
             pending = iter(recorded)
@@ -95,9 +95,9 @@ class Regions:
                                      "than its forward; the region's function must make the same calls each time")
                 return recompute(call.input)
 
-            mode = self.norm_calls(batch_norm, INCall.output)  # InstanceNorm: the same output, no update
-            mode.convolutions = functools.partial(self._replay, frame) if self.kept is not None else None
-            with mode:
+            # The mode is no local of this frame: torch's early stop ends the recomputation with an exception, whose
+            # traceback would keep the mode, and through it what the recorded calls hold, past the recomputation.
+            with self._recomputation_mode(frame_ref, batch_norm):
                 out = original(*args)
             # Ran to its end (torch's early stop ends it with an exception once everything is saved again).
             if next(pending, None) is not None:
@@ -107,9 +107,19 @@ class Regions:
 
         frame.recompute_fn = recompute_fn
 
-    def _replay(self, frame: Any, module: Any, forward: Callable[..., Tensor], args: tuple, kwargs: dict) -> Tensor:
+    def _recomputation_mode(self, frame_ref: weakref.ref, batch_norm: Callable[[BNCall], Tensor]) -> NormCalls:
+        """The step's mode for a region's recomputation: the recorded BatchNorm outputs, and the kept convolutions'."""
+        mode = self.norm_calls(batch_norm, INCall.output)  # InstanceNorm: the same output, no update
+        if self.kept is not None:
+            mode.convolutions = functools.partial(self._replay, frame_ref)
+        return mode
+
+    def _replay(self, frame_ref: weakref.ref, module: Any, forward: Callable[..., Tensor], args: tuple,
+                kwargs: dict) -> Tensor:
         """A convolution layer's call in a region's recomputation: the kept output, if the call kept one."""
-        if self.kept is not None and module in self.kept.modules and len(args) == 1 and not kwargs:
+        frame = frame_ref()
+        if self.kept is not None and frame is not None and module in self.kept.modules and len(args) == 1 and \
+                not kwargs:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
             if top is not None and in_recomputation((top,)):  # the region's own, not a region inside it
                 return self.kept.replay(frame, module, forward, args[0])

@@ -2,8 +2,11 @@
 
 A checkpointed region runs its whole forward again in the backward. Most of that time goes to convolutions,
 and a convolution that sums many products for each value it outputs (`in_channels / groups` x kernel size: its
-reduction) costs much time for the memory its output takes. Inside the recompute schedule's own regions, a
-convolution of reduction `MIN_REDUCTION` or more keeps its output:
+reduction) costs much time for the memory its output takes. Inside the recompute schedule's own regions, the
+convolutions of reduction `MIN_REDUCTION` or more are candidates, and each step measures the bytes their outputs
+take per sample. From the next step on, the candidates of the largest reductions keep their outputs, as many as
+fit in an allowance per sample (a quarter of the largest region's saved bytes, `regions.keep_allowance`: the
+peak holds that region's recomputation anyway). Kept, a convolution runs once per step:
 
 - in the region's forward it runs as usual, under a pack hook that notes which of its arguments autograd saved;
   its output is kept, packed by the step's own saved-tensor hooks (the hooks below the region's: the host store
@@ -13,9 +16,9 @@ convolution of reduction `MIN_REDUCTION` or more keeps its output:
 
 Only a call of the forward's, in its order, with the same module and input shape, gets its output back; an
 output the forward changed in place afterwards (a `ReLU(inplace=True)`: seen once the forwards are over), an
-argument autograd saved that is not
-the call's own (an autocast copy), or a call the recomputation makes otherwise runs again as usual, which is
-what the region would have done. The result is the forward's output, bit for bit, so exactness is unchanged.
+argument autograd saved that is not the call's own (an autocast copy), or a call the recomputation makes
+otherwise runs again as usual, which is what the region would have done. The result is the forward's output,
+bit for bit, so exactness is unchanged.
 
 Why not torch's selective checkpointing (`context_fn`): its TorchDispatchMode sees every op of every region,
 in the forward and again in the recomputation, a Python call per op, and it refuses a kept output changed in
@@ -38,15 +41,14 @@ from .threadstate import saved_tensor_hooks
 __all__ = ["CONVOLUTIONS", "MIN_REDUCTION", "Kept", "keeps"]
 
 MIN_REDUCTION = 256  # in_channels / groups x kernel size: a convolution that does this much per output value
+# a candidate convolution -> the bytes per sample of its outputs in the regions, as its last step measured them
+_OUTPUT_BYTES: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
 CONVOLUTIONS = frozenset({nn.Conv1d, nn.Conv2d, nn.Conv3d})  # torch's, exact classes
 
 
 def keeps(conv: nn.Module) -> bool:
-    """Whether a convolution's output is worth keeping (module doc)."""
-    if type(conv) not in CONVOLUTIONS:
-        return False
-    w = conv.weight
-    return w.shape[1] * math.prod(w.shape[2:]) >= MIN_REDUCTION
+    """Whether a convolution's output may be worth keeping: a candidate (module doc)."""
+    return type(conv) in CONVOLUTIONS and _reduction(conv) >= MIN_REDUCTION
 
 
 class _Call:
@@ -57,9 +59,12 @@ class _Call:
     def __init__(self, module: nn.Module, shape: torch.Size, output: Tensor, roles: list[int] | None,
                  hooks: tuple[Any, Any] | None) -> None:
         self.module, self.shape, self.roles = module, shape, roles
-        self.output, self.version = output.detach(), output._version
-        self.unpack = None if hooks is None else hooks[1]
-        self.packed = self.output if hooks is None else hooks[0](self.output)
+        self.output = self.packed = self.unpack = None  # nothing kept of a call that cannot give its output back
+        self.version = output._version
+        if roles is not None:
+            self.output = output.detach()
+            self.unpack = None if hooks is None else hooks[1]
+            self.packed = self.output if hooks is None else hooks[0](self.output)
 
     def seal(self) -> None:
         """At the forwards' end: an output changed in place since is not given back; let go of the output itself."""
@@ -77,8 +82,14 @@ class _Call:
 class Kept:
     """The kept convolution outputs of one step's regions, per region frame (a micro-batch's call of a region)."""
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
-        self.modules = frozenset(m for m in modules if keeps(m))  # the convolutions worth keeping
+    def __init__(self, modules: Iterable[nn.Module], allowance: float, micro_batches: int) -> None:
+        """`allowance`: the bytes per sample the kept outputs may take; `micro_batches`: the step's K."""
+        candidates = [m for m in modules if keeps(m)]  # in the model's order, which breaks the choice's ties
+        self.candidates = frozenset(candidates)
+        self.modules = _choose(candidates, allowance)  # the convolutions that keep their outputs
+        self.micro_batches = micro_batches
+        # each candidate's output bytes per sample, summed over its calls in every micro-batch of this step
+        self.sizes: dict[nn.Module, float] = dict.fromkeys(self.candidates, 0.0)
         self.frames: dict[int, tuple[weakref.ref, deque[_Call]]] = {}
 
     def own(self, frame: Any) -> None:
@@ -90,10 +101,16 @@ class Kept:
         entry = self.frames.get(id(frame))
         return entry is not None and entry[0]() is frame
 
-    def record(self, frame: Any, module: nn.Module, forward: Callable[..., Tensor],
-               input: Tensor) -> Tensor:  # noqa: A002
-        """Run a convolution directly in an owned region frame's forward, keeping its output. The output is packed
-        by the hooks below the region's (the step's store or meter, if any), as a tensor the step saves."""
+    def run(self, frame: Any, module: nn.Module, forward: Callable[..., Tensor], input: Tensor) -> Tensor:  # noqa: A002
+        """A candidate's call directly in an owned region frame's forward: measured, and kept if it is chosen."""
+        out = self._record(frame, module, forward, input) if module in self.modules else forward(module, input)
+        self.sizes[module] += out.numel() * out.element_size() / max(1, input.shape[0])
+        return out
+
+    def _record(self, frame: Any, module: nn.Module, forward: Callable[..., Tensor],
+                input: Tensor) -> Tensor:  # noqa: A002
+        """Run a convolution, keeping its output. The output is packed by the hooks below the region's (the step's
+        store or meter, if any), as a tensor the step saves."""
         hooks = saved_tensor_hooks()
         pack, unpack = hooks[-1]
         packed: list[Tensor] = []
@@ -111,7 +128,11 @@ class Kept:
         return out
 
     def seal(self) -> None:
-        """The forwards are over: see which kept outputs they changed in place (`_Call.seal`)."""
+        """The forwards are over: note the candidates' sizes, and see which kept outputs the forwards changed in
+        place (`_Call.seal`)."""
+        for m, size in self.sizes.items():
+            if size:
+                _OUTPUT_BYTES[m] = size / self.micro_batches
         for _, calls in self.frames.values():
             for call in calls:
                 call.seal()
@@ -138,6 +159,21 @@ class Kept:
 
     def clear(self) -> None:
         self.frames.clear()
+
+
+def _choose(candidates: list[nn.Module], allowance: float) -> frozenset[nn.Module]:
+    """The measured candidates of the largest reductions whose outputs fit in `allowance` bytes per sample."""
+    chosen, left = [], allowance
+    for m in sorted((m for m in candidates if m in _OUTPUT_BYTES), key=lambda m: (-_reduction(m), _OUTPUT_BYTES[m])):
+        if _OUTPUT_BYTES[m] <= left:
+            chosen.append(m)
+            left -= _OUTPUT_BYTES[m]
+    return frozenset(chosen)
+
+
+def _reduction(conv: nn.Module) -> int:
+    w = conv.weight
+    return w.shape[1] * math.prod(w.shape[2:])
 
 
 class _Given(torch.autograd.Function):

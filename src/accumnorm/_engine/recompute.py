@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .checkpoint import in_recomputation, in_region, region_frames
 from .lockstep import layerwise
-from .regions import Region, Run, choose_regions, record_saved, region_modules
+from .regions import Region, Run, choose_regions, keep_allowance, record_saved, region_modules
 from .step import Step
 from .store import Store
 from .threadstate import saved_tensor_hooks
@@ -53,11 +54,19 @@ class RegionStateChanged(Exception):
 
 def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
     """The bytes per sample a region's forward saved (its frame's metadata of each saved tensor), its modules'
-    parameters left out."""
-    saved = sum(math.prod(meta["shape"]) * meta["dtype"].itemsize for meta in frame.x_metadatas
-                if isinstance(meta, dict) and "shape" in meta)
-    params = sum(p.numel() * p.element_size() for m in region_modules(region) for p in m.parameters())
-    return max(0, saved - params) / max(1, rows)
+    parameters left out: one saved tensor of each parameter's shape, in whatever dtype it was saved (under autocast
+    a weight is saved as its reduced-precision copy)."""
+    params = Counter(tuple(p.shape) for m in region_modules(region) for p in m.parameters())
+    saved = 0
+    for meta in frame.x_metadatas:
+        if not (isinstance(meta, dict) and "shape" in meta):
+            continue
+        shape = tuple(meta["shape"])
+        if params[shape] > 0:
+            params[shape] -= 1
+        else:
+            saved += math.prod(shape) * meta["dtype"].itemsize
+    return saved / max(1, rows)
 
 
 def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
@@ -180,12 +189,13 @@ def recompute(step: Step, store: Store | None) -> None:
     Raises RegionStateChanged, before any backward, if a region's forward changed its module's state.
     """
     regions = choose_regions(step.model)
-    step.regions.keep_convolutions(step.modules)
+    step.regions.keep_convolutions(step.modules, keep_allowance(regions), len(step.micro_batches))
     with checkpointed(regions, step.regions.own):
         state = _State(regions)
 
         def check_unchanged() -> None:
-            step.regions.kept.seal()
+            if step.regions.kept is not None:
+                step.regions.kept.seal()
             problem = state.changed(step.names)
             if problem is not None:
                 raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but "

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["Run", "Region", "choose_regions", "record_saved", "region_modules"]
+__all__ = ["Run", "Region", "choose_regions", "keep_allowance", "record_saved", "region_modules"]
 
 _SHARE = 0.25  # of the largest region's saved bytes, what the regions left as they are may keep together
 
@@ -136,6 +136,13 @@ def choose_regions(model: nn.Module) -> list[Region]:
         budget -= size
         kept.add(i)
     return [r for i, r in enumerate(unique) if i not in kept]
+
+
+def keep_allowance(regions: list[Region]) -> float:
+    """The bytes per sample the regions' kept convolution outputs may take (`kept`): the same share of the largest
+    region's saved bytes as the regions left as they are, once those are measured; nothing before."""
+    sizes = [_SAVED.get(_key(r), {}).get(_length(r)) for r in regions]
+    return _SHARE * max(sizes) if sizes and None not in sizes else 0.0
 
 
 def _unique(regions: list[Region]) -> list[Region]:
