@@ -335,6 +335,29 @@ def test_ctrl_c_ends_a_loss_fn_that_waits():
 
 
 @pytest.mark.realtime
+def test_a_sigint_deferred_right_before_the_users_code_blocks_still_ends_the_wait():
+    """A SIGINT that lands in a callback of torch's code the interpreter runs between two lines of the user's (a
+    weakref callback during a collection) waits for a safe point; if the user's code then blocks, it reaches none.
+    The deferred SIGINT is sent again until one takes it: the wait ends in KeyboardInterrupt, well within a second."""
+    import time
+
+    from accumnorm._engine.interrupts import SigintDeferred
+
+    torch_frame = eval("__import__('sys')._getframe()", {"__name__": "torch.fake"})
+    deferred = SigintDeferred()
+    deferred.start()
+    try:
+        deferred._record(signal.SIGINT, torch_frame)  # deferred, as in the callback
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            time.sleep(10)  # the user's wait, in the user's code
+        assert time.monotonic() - started < 5
+        deferred.check()  # taken: nothing is left pending
+    finally:
+        deferred.close()
+
+
+@pytest.mark.realtime
 def test_a_second_sigint_while_the_first_waits_for_a_safe_point_is_raised_at_once():
     """A SIGINT that lands in torch's code waits for the step's next safe point; a second one before it is raised
     where it lands (code blocked in torch reaches no safe point). In the user's code the first is raised at once."""

@@ -11,7 +11,10 @@ previous handler is called: the KeyboardInterrupt is raised there, and the step 
 Code that waits (a `threading.Event().wait()`, a stalled pipe, a queue) reaches no safe point, so a SIGINT
 is not deferred where that danger is not: when the code it interrupts is neither torch's nor accumnorm's
 (the user's, or the standard library's waits), it is handled at once; and a second SIGINT while the first
-still waits for a safe point is handled at once wherever it lands.
+still waits for a safe point is handled at once wherever it lands. A deferred SIGINT is also sent again every
+quarter second until a safe point takes it: one that landed in a callback the interpreter ran between two lines
+of the user's (a weakref callback during a collection) and was deferred there, right before the user's code
+blocks, then reaches the wait, where it is handled at once.
 
 The previous handler comes back when the step ends; a Python handler of the caller's is the one called.
 Off the main thread (where no KeyboardInterrupt arrives) and with SIGINT ignored, nothing is changed.
@@ -25,6 +28,8 @@ from typing import Any
 
 __all__ = ["SigintDeferred"]
 
+
+_RESEND_S = 0.25  # how soon a deferred SIGINT is sent again, while no safe point has taken it
 
 # The packages whose code a SIGINT waits for; weakref's callbacks among them, which the interpreter runs as torch's
 # tensors and graphs are freed, and where it would print an exception raised in them and go on without it.
@@ -43,6 +48,8 @@ class SigintDeferred:
     def __init__(self) -> None:
         self.previous: Any = None
         self.pending: tuple[int, FrameType | None] | None = None
+        self.resent = False  # the SIGINT arriving now is the deferred one, sent again (`_resend`)
+        self.timer: threading.Timer | None = None
 
     def start(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -52,11 +59,27 @@ class SigintDeferred:
             self.previous = signal.signal(signal.SIGINT, self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        if self.pending is None and _in_torch(frame):
+        resent, self.resent = self.resent, False
+        if (self.pending is None or resent) and _in_torch(frame):
             self.pending = (signum, frame)
+            self._send_again_soon()
             return
         self.pending = None
         self.previous(signum, frame)
+
+    def _send_again_soon(self) -> None:
+        self.timer = threading.Timer(_RESEND_S, self._resend)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def _resend(self) -> None:
+        """On the timer's thread: the deferred SIGINT to the main thread again, if no safe point took it yet."""
+        if self.pending is not None and self.previous is not None:
+            self.resent = True
+            if hasattr(signal, "pthread_kill"):  # to the main thread itself, so that a wait there is interrupted
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            else:
+                signal.raise_signal(signal.SIGINT)
 
     def check(self) -> None:
         """A safe point: a SIGINT that arrived since the last one is handled now, by the previous handler."""
@@ -67,6 +90,9 @@ class SigintDeferred:
 
     def close(self) -> None:
         """Give SIGINT back to the previous handler, then handle one that arrived meanwhile."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
             self.check()
