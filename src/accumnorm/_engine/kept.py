@@ -75,8 +75,6 @@ class _Call:
     def given(self) -> Tensor:
         return self.packed if self.unpack is None else self.unpack(self.packed)
 
-    def arguments(self, input: Tensor) -> tuple[Tensor, ...]:  # noqa: A002 - torch's name
-        return input, self.module.weight, self.module.bias
 
 
 class Kept:
@@ -121,7 +119,7 @@ class Kept:
 
         with torch.autograd.graph.saved_tensors_hooks(observe, unpack):
             out = forward(module, input)
-        args = (input, module.weight, module.bias)
+        args = _arguments(module, input)
         roles = [next((i for i, a in enumerate(args) if a is t), -1) for t in packed]
         self.frames[id(frame)][1].append(_Call(module, input.shape, out, None if -1 in roles else roles,
                                                hooks[-2] if len(hooks) > 1 else None))
@@ -149,7 +147,7 @@ class Kept:
         if call.roles is None:
             return forward(module, input)
         pack = torch._C._autograd._top_saved_tensors_default_hooks(False)[0]
-        args = call.arguments(input)
+        args = _arguments(module, input)
         for role in call.roles:
             pack(args[role])
         output = call.given()
@@ -169,6 +167,11 @@ def _choose(candidates: list[nn.Module], allowance: float) -> frozenset[nn.Modul
             chosen.append(m)
             left -= _OUTPUT_BYTES[m]
     return frozenset(chosen)
+
+
+def _arguments(conv: nn.Module, input: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:  # noqa: A002
+    """A convolution call's tensors, in the order its saved tensors' roles name them."""
+    return input, conv.weight, conv.bias
 
 
 def _reduction(conv: nn.Module) -> int:

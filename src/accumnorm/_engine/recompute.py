@@ -194,8 +194,7 @@ def recompute(step: Step, store: Store | None) -> None:
         state = _State(regions)
 
         def check_unchanged() -> None:
-            if step.regions.kept is not None:
-                step.regions.kept.seal()
+            step.regions.kept.seal()
             problem = state.changed(step.names)
             if problem is not None:
                 raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but "

@@ -124,7 +124,7 @@ def choose_regions(model: nn.Module) -> list[Region]:
 
     visit(model)
     unique = _unique(regions)
-    sizes = [_SAVED.get(_key(r), {}).get(_length(r)) for r in unique]
+    sizes = _measured(unique)
     if None in sizes or not unique:
         return unique
     # Regions that keep little run as they are, as long as together they keep a small share of the largest
@@ -141,8 +141,13 @@ def choose_regions(model: nn.Module) -> list[Region]:
 def keep_allowance(regions: list[Region]) -> float:
     """The bytes per sample the regions' kept convolution outputs may take (`kept`): the same share of the largest
     region's saved bytes as the regions left as they are, once those are measured; nothing before."""
-    sizes = [_SAVED.get(_key(r), {}).get(_length(r)) for r in regions]
+    sizes = _measured(regions)
     return _SHARE * max(sizes) if sizes and None not in sizes else 0.0
+
+
+def _measured(regions: list[Region]) -> list[float | None]:
+    """Each region's saved bytes per sample, as its last checkpointed forward measured them (None: not yet)."""
+    return [_SAVED.get(_key(r), {}).get(_length(r)) for r in regions]
 
 
 def _unique(regions: list[Region]) -> list[Region]:
