@@ -350,6 +350,56 @@ def test_a_sequentials_children_of_several_layers_stay_regions_of_their_own():
     compare(ref, model, 1e-9)
 
 
+class Stage(nn.Module):
+    """A stage that iterates its blocks itself, as ultralytics' C2f does: its ModuleList is never called."""
+
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.first, self.blocks = ConvBN(c), nn.ModuleList([ConvBN(c), ConvBN(c)])
+
+    def forward(self, x):
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Detector(nn.Module):
+    """Loops over its Sequential's children, pooling between stages; two parameter-free children sit side by side,
+    a run that the Sequential's forward would checkpoint, but it is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 6, 3, padding=1)
+        self.layers = nn.Sequential(Stage(), nn.Identity(), nn.Identity(), Stage(), Stage(), Stage())
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for i, m in enumerate(self.layers):
+            x = F.avg_pool2d(m(x), 2) if i in (0, 3) else m(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_region_that_never_runs_leaves_the_measured_ones_weighed():
+    """A ModuleList is no region (its blocks are), and a run that never runs is not measured. Once a step has
+    measured the rest, the least-saving regions run as they are and the kept outputs get their allowance: one
+    unmeasured region used to leave every region checkpointed and the allowance at nothing."""
+    model, batch = Detector().double(), data((1, 16, 16), 8, torch.float64)
+    before = choose_regions(model)
+    assert not any(isinstance(r, nn.ModuleList) for r in before)
+    assert model.layers[0].blocks[0] in before and any(isinstance(r, Run) for r in before)
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        expected = whole_batch(ref, batch)
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+        assert rel_err(loss, expected) < 1e-12
+        compare(ref, model, 1e-9)
+    after = choose_regions(model)
+    assert len(after) < len(before) and model.layers[0].blocks[0] in after
+    assert regions_module.keep_allowance(after) > 0
+
+
 def live_peak(step) -> int:
     """The peak bytes of live tensors while `step()` runs (torch's CPU allocator, as the profiler records it)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

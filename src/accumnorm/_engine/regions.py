@@ -7,16 +7,19 @@ root of the model's layers, or fewer, is a region as a whole; in a larger one th
 children, and in a larger `nn.Sequential` (one that runs torch's own forward) the children of one layer each
 are gathered, in order, into runs of about that many layers. Children of more layers stay regions of their
 own: a model may loop over a Sequential's children itself (ultralytics' detectors do), and a run only
-exists where the Sequential's forward is called. A region's recomputation is then
-small against the whole and the regions' inputs are few. A region of a single layer gains nothing and runs
-as it is.
+exists where the Sequential's forward is called. A container without a forward (`nn.ModuleList`,
+`nn.ModuleDict`), which only its parent's forward iterates, is never a region: the walk goes down to its
+children. A region's recomputation is then small against the whole and the regions' inputs are few. A region
+of a single layer gains nothing and runs as it is.
 
-Once a step has measured what each region's forward saves (`record_saved`), the regions that save least run
-as they are, as long as together they save no more than a quarter of the largest one: their recomputation
+Once a step has measured what each region's forward saves (`record_saved`), the measured regions that save least
+run as they are, as long as together they save no more than a quarter of the largest one: their recomputation
 would cost time for little memory (the late, low-resolution blocks of a convolutional net, and its head,
 save little for as much compute). The last region is no exception: the backward recomputes it at once, but
 by then the loss's backward has let go of what the loss kept (a per-pixel loss keeps as much as a layer),
-which its saved tensors would be held beside until the forward's end.
+which its saved tensors would be held beside until the forward's end. A region that no step has measured (a run
+of a Sequential whose parent loops over its children, so that the run never runs) stays a region and is not
+weighed.
 """
 from __future__ import annotations
 
@@ -74,6 +77,11 @@ def wrappable(m: nn.Module) -> bool:
     return "forward" not in vars(m) and not isinstance(m, torch.jit.ScriptModule)
 
 
+def has_forward(m: nn.Module) -> bool:
+    """A module that can be called: not a container that only its parent's forward iterates (`nn.ModuleList`)."""
+    return type(m).forward is not nn.Module.forward
+
+
 def runs_torch_sequential(m: nn.Module) -> bool:
     """An `nn.Sequential` whose forward is torch's own (each child called on the last one's output), which the step
     can run with some of its children in checkpointed runs."""
@@ -91,7 +99,10 @@ def choose_regions(model: nn.Module) -> list[Region]:
             regions.append(m)
 
     def visit(m: nn.Module) -> None:
-        if layers[m] <= target or not m._modules:
+        if not has_forward(m):
+            for child in m.children():
+                visit(child)
+        elif layers[m] <= target or not m._modules:
             add(m)
         elif runs_torch_sequential(m):
             gather(m)
@@ -124,13 +135,13 @@ def choose_regions(model: nn.Module) -> list[Region]:
 
     visit(model)
     unique = _unique(regions)
-    sizes = _measured(unique)
-    if None in sizes or not unique:
+    measured = [(size, i) for i, size in enumerate(_measured(unique)) if size is not None]
+    if not measured:
         return unique
     # Regions that keep little run as they are, as long as together they keep a small share of the largest
     # region, whose recomputation the backward holds anyway: their recomputation would cost time for little memory.
-    kept, budget = set(), _SHARE * max(sizes)
-    for size, i in sorted(zip(sizes, range(len(unique)))):
+    kept, budget = set(), _SHARE * max(size for size, _ in measured)
+    for size, i in sorted(measured):
         if size > budget:
             break
         budget -= size
@@ -140,9 +151,9 @@ def choose_regions(model: nn.Module) -> list[Region]:
 
 def keep_allowance(regions: list[Region]) -> float:
     """The bytes per sample the regions' kept convolution outputs may take (`kept`): the same share of the largest
-    region's saved bytes as the regions left as they are, once those are measured; nothing before."""
-    sizes = _measured(regions)
-    return _SHARE * max(sizes) if sizes and None not in sizes else 0.0
+    region's saved bytes as the regions left as they are, once a step has measured them; nothing before."""
+    sizes = [size for size in _measured(regions) if size is not None]
+    return _SHARE * max(sizes) if sizes else 0.0
 
 
 def _measured(regions: list[Region]) -> list[float | None]:
