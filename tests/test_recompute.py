@@ -20,12 +20,13 @@ from models import data
 
 
 class Block(nn.Module):
-    """A residual block: conv-BN-tanh-conv-BN, added to its input."""
+    """A residual block: conv-BN-tanh-conv-BN, added to its input (`mid` channels between the convolutions)."""
 
-    def __init__(self, c: int = 8, p: float = 0.0) -> None:
+    def __init__(self, c: int = 8, p: float = 0.0, mid: int | None = None) -> None:
         super().__init__()
-        self.c1, self.b1, self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), \
-            nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        mid = c if mid is None else mid
+        self.c1, self.b1, self.c2, self.b2 = nn.Conv2d(c, mid, 3, padding=1), nn.BatchNorm2d(mid), \
+            nn.Conv2d(mid, c, 3, padding=1), nn.BatchNorm2d(c)
         self.p = p
 
     def forward(self, x):
@@ -93,9 +94,10 @@ def test_hooks_inside_a_region_run_again_in_its_recomputation():
 
 
 def wide(block=Block) -> nn.Sequential:
-    """A stem and four blocks of 32 channels: each block's two 3x3 convolutions sum 288 products per output value."""
+    """A stem and four blocks of 32 channels: each block's first 3x3 convolution sums 288 products per output value,
+    into 4 channels (an output a small share of its region's saved bytes; its second sums 36)."""
     return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(),
-                         *[block(c=32) for _ in range(4)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         *[block(c=32, mid=4) for _ in range(4)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                          nn.Linear(32, 10)).double()
 
 
@@ -163,12 +165,12 @@ def test_under_autocast_a_convolution_saves_a_copy_and_runs_again():
         assert torch.isfinite(loss)
 
 
-def test_the_kept_outputs_fit_in_a_quarter_of_the_largest_regions_saved_bytes():
-    """Of the candidates (every block's two convolutions), those of the largest reductions keep their outputs, as many
-    as fit in the allowance: a quarter of what the largest region saves, per sample."""
+def test_the_kept_outputs_fit_in_a_tenth_of_the_largest_regions_saved_bytes():
+    """Of the candidates (every block's first convolution), those of the largest reductions keep their outputs, as
+    many as fit in the allowance: a tenth of what the largest region saves, per sample."""
     model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Tanh(),
                           nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(),
-                          *[Block(c=32) for _ in range(5)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          *[Block(c=32, mid=4) for _ in range(5)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                           nn.Linear(32, 10)).double()
     batch = data((1, 6, 6), 8, torch.float64)
     accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
@@ -176,11 +178,11 @@ def test_the_kept_outputs_fit_in_a_quarter_of_the_largest_regions_saved_bytes():
     allowance = regions_module.keep_allowance(regions)
     candidates = [m for m in model.modules() if kept.keeps(m)]
     sizes = [kept._OUTPUT_BYTES[m] for m in candidates if m in kept._OUTPUT_BYTES]
-    assert allowance > 0 and len(sizes) >= 8
+    assert allowance > 0 and len(sizes) == 5
     chosen = kept._choose(candidates, allowance)
     assert 0 < len(chosen) < len(sizes)  # some fit, not all
     assert sum(kept._OUTPUT_BYTES[m] for m in chosen) <= allowance
-    assert allowance == 0.25 * max(regions_module._SAVED[r][0] for r in regions if isinstance(r, nn.Module))
+    assert allowance == pytest.approx(0.1 * max(regions_module._measured(regions)))
 
 
 class Counting(Block):

@@ -5,8 +5,8 @@ and a convolution that sums many products for each value it outputs (`in_channel
 reduction) costs much time for the memory its output takes. Inside the recompute schedule's own regions, the
 convolutions of reduction `MIN_REDUCTION` or more are candidates, and each step measures the bytes their outputs
 take per sample. From the next step on, the candidates of the largest reductions keep their outputs, as many as
-fit in an allowance per sample (a quarter of the largest region's saved bytes, `regions.keep_allowance`: the
-peak holds that region's recomputation anyway). Kept, a convolution runs once per step:
+fit in an allowance per sample (a tenth of the largest region's saved bytes, `regions.keep_allowance`). Kept, a
+convolution runs once per step:
 
 - in the region's forward it runs as usual, under a pack hook that notes which of its arguments autograd saved;
   its output is kept, packed by the step's own saved-tensor hooks (the hooks below the region's: the host store

@@ -33,6 +33,9 @@ import torch.nn as nn
 __all__ = ["Run", "Region", "choose_regions", "keep_allowance", "record_saved", "region_modules"]
 
 _SHARE = 0.25  # of the largest region's saved bytes, what the regions left as they are may keep together
+# of the largest region's saved bytes per sample, what the kept convolution outputs may take (`kept`): they stay
+# from the forward to the backward, and the heap they are spread over with them
+_KEEP_SHARE = 0.1
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,10 +153,10 @@ def choose_regions(model: nn.Module) -> list[Region]:
 
 
 def keep_allowance(regions: list[Region]) -> float:
-    """The bytes per sample the regions' kept convolution outputs may take (`kept`): the same share of the largest
-    region's saved bytes as the regions left as they are, once a step has measured them; nothing before."""
+    """The bytes per sample the regions' kept convolution outputs may take (`kept`): a tenth of the largest region's
+    saved bytes, once a step has measured them; nothing before."""
     sizes = [size for size in _measured(regions) if size is not None]
-    return _SHARE * max(sizes) if sizes else 0.0
+    return _KEEP_SHARE * max(sizes) if sizes else 0.0
 
 
 def _measured(regions: list[Region]) -> list[float | None]:
