@@ -76,7 +76,6 @@ class _Call:
         return self.packed if self.unpack is None else self.unpack(self.packed)
 
 
-
 class Kept:
     """The kept convolution outputs of one step's regions, per region frame (a micro-batch's call of a region)."""
 
