@@ -2,7 +2,8 @@
 
 A method is `step(model, batch, micro, case)`: it accumulates into `.grad` the gradient of `case`'s loss over
 `batch`, `micro` samples at a time. Plain accumulation is the usual loop; the others are `accumnorm.backward`'s
-exact schedules, each one that this accumnorm accepts (`exact_schedules`: asked, not assumed).
+exact schedules, each one that this accumnorm accepts (`exact_schedules`: asked, not assumed), and, beside
+recompute, plain accumulation with recompute's regions checkpointed (`checkpointed_step`).
 """
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ def whole_step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
     plain_step(model, batch, samples(batch), case)
 
 
+def checkpointed_step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
+    """Plain accumulation with the regions the recompute schedule would choose for this model each run in torch's
+    `checkpoint(use_reentrant=False)`, and nothing else of accumnorm's: what checkpointing those regions costs by
+    itself, the floor under recompute's time. No convolution keeps its output, as recompute's may."""
+    from accumnorm._engine.recompute import checkpointed  # the schedule's own regions, not a public API
+    from accumnorm._engine.regions import choose_regions
+
+    with checkpointed(choose_regions(model), lambda frame: None):
+        plain_step(model, batch, micro, case)
+
+
 def schedule_step(schedule: str) -> Method:
     def step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
         if case.batch_loss is None:
@@ -77,9 +89,15 @@ def exact_schedules() -> list[str]:
     return [s for s in SCHEDULES if accepts(s)]
 
 
+def timed_methods(schedules: list[str]) -> list[str]:
+    """The methods timed, in the table's order: plain, the schedules, and after recompute its checkpointed floor."""
+    return ["plain", *(m for s in schedules for m in ((s, "checkpointed") if s == "recompute" else (s,)))]
+
+
 def methods(schedules: list[str]) -> dict[str, Method]:
-    """Every method by name: plain, the whole batch, and the exact schedules given."""
-    return {"plain": plain_step, "whole": whole_step, **{s: schedule_step(s) for s in schedules}}
+    """Every method by name: plain, the whole batch, the exact schedules given, and the checkpointed floor."""
+    return {"plain": plain_step, "whole": whole_step, "checkpointed": checkpointed_step,
+            **{s: schedule_step(s) for s in schedules}}
 
 
 class CountBN(TorchFunctionMode):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from _memory import Memory
 from _models import BATCH
+from _steps import timed_methods
 
 # (median seconds, median ratio to plain), or why there is none
 Timing = tuple[float, float] | str
@@ -68,7 +69,7 @@ def columns(schedules: list[str], threads: list[int]) -> list[Column]:
     memory = ["plain", "whole", *schedules]
     return _first([(f"{m} peak MiB", lambda r, m=m: r.peak(m)) for m in memory]
                   + [(f"plain ms{per}", lambda r: r.time("plain"))]
-                  + [(f"{m} time{per}", lambda r, m=m: r.time(m)) for m in schedules]
+                  + [(f"{m} time{per}", lambda r, m=m: r.time(m)) for m in timed_methods(schedules)[1:]]
                   + [(f"saved MiB {'/'.join(memory)}", lambda r: r.figures(memory, "saved")),
                      (f"host MiB {'/'.join(schedules)}", lambda r: r.figures(schedules, "moved"))])
 
@@ -77,7 +78,7 @@ def summary_columns(schedules: list[str], threads: list[int]) -> list[Column]:
     """The summary's: peak and time as ratios to plain only."""
     per = " " + "/".join(f"{t}t" for t in threads) if threads else ""
     return _first([(f"{m} peak", lambda r, m=m: r.ratio(m)) for m in ["whole", *schedules]]
-                  + [(f"{m} time{per}", lambda r, m=m: r.time(m)) for m in schedules])
+                  + [(f"{m} time{per}", lambda r, m=m: r.time(m)) for m in timed_methods(schedules)[1:]])
 
 
 def table(cols: list[Column], rows: list[Row], markdown: bool) -> list[str]:

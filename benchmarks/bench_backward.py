@@ -7,6 +7,8 @@ optimizer step's gradient is made each of these ways:
   whole      the whole batch at once, in torch (memory only: what accumulation stands in for)
   layerwise  accumnorm.backward(schedule="layerwise"): micro-batches in lockstep, one whole-batch BN per BN call
   recompute  accumnorm.backward(schedule="recompute"), shown wherever accumnorm.backward accepts that name
+  checkpointed  beside recompute, time only: plain accumulation with the regions recompute would choose each in
+             torch's checkpoint(use_reentrant=False), nothing else of accumnorm's: the floor under recompute's time
   passes     accumnorm.backward(schedule="passes"): 2L + 1 passes for L BN calls; skipped, saying so, for
              models of more than --skip-passes-over BN calls, where it takes tens of plain steps
 
@@ -63,7 +65,7 @@ import torch
 import torch.nn as nn
 from _memory import Memory, keep_freed_memory, measure_in_child
 from _models import BATCH, MODELS
-from _steps import SCHEDULES, bn_calls, exact_schedules, methods, prepare
+from _steps import SCHEDULES, bn_calls, exact_schedules, methods, prepare, timed_methods
 from _table import Row, Timing, columns, line, summary_columns, table
 
 DEFAULT_MODELS = ("resnet50", "efficientnet_b0", "yolov8n", "monai_unet3d", "smp_unet", "densenet121_ckpt", "study",
@@ -198,7 +200,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
         if args.memory:
             memory.update({m: measure_in_child(name, m, micro, args, timeout) for m in shown})
         timing: dict[int, dict[str, Timing]] = {}
-        steps = {m: (lambda model, m=m, micro=micro: by_name[m](model, batch, micro, case)) for m in shown}
+        steps = {m: (lambda model, m=m, micro=micro: by_name[m](model, batch, micro, case))
+                 for m in timed_methods(schedules)}
         for threads in args.threads if args.rounds else []:
             torch.set_num_threads(threads)
             timing[threads] = {**time_methods(steps, base, args, device, label), **skipped}
