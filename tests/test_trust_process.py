@@ -304,6 +304,43 @@ def test_failed_steps_on_a_checkpointed_model_free_everything(schedule, failure,
     assert _live_tensors() <= before
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["step", "failed step"])
+def test_a_step_leaves_nothing_for_pythons_collector(schedule, fails):
+    """What a step made is freed when it returns, as what torch's backward makes is: no tensor (the transaction's
+    copies of the gradients, the micro-batches) and no object of the step's waits in a reference cycle for
+    Python's next full collection, which may be many steps away (steps on resnet18 with zero_grad(set_to_none=False)
+    held hundreds of MiB more)."""
+    model = _Checkpointed()
+    x, y = data((6,), 8)
+
+    def loss_fn(m, b):
+        loss = ce_loss(m, b)
+        if fails and torch.equal(b[0], x[4:6]):
+            raise RuntimeError("failure in micro-batch 2")
+        return loss
+
+    def step() -> None:
+        try:
+            accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule=schedule)
+        except RuntimeError as e:
+            assert "failure in micro-batch 2" in str(e) and fails
+
+    step()  # gradients now exist, which the next step's transaction copies; recompute has measured its regions
+    gc.collect()
+    gc.disable()
+    try:
+        step()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage
+                if isinstance(o, torch.Tensor) or type(o).__module__.startswith("accumnorm")]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == []
+
+
 @pytest.mark.realtime
 @pytest.mark.slow
 def test_ctrl_c_ends_a_loss_fn_that_waits():

@@ -43,7 +43,9 @@ class Regions:
     """
 
     def __init__(self, norm_calls: Callable[..., NormCalls]) -> None:
-        self.norm_calls = norm_calls
+        # Weakly: it is a method of the step that holds these regions, and a cycle would keep the step, and what its
+        # transaction copied, until Python's next full collection.
+        self._norm_calls = weakref.WeakMethod(norm_calls)
         # id(frame) -> (a weak reference to the frame, its calls in order, the frame's own recompute_fn). Weak: a
         # frame holds its region's inputs, which the backward frees region by region as it goes down, as torch's
         # checkpoint would.
@@ -109,7 +111,7 @@ class Regions:
 
     def _recomputation_mode(self, frame_ref: weakref.ref, batch_norm: Callable[[BNCall], Tensor]) -> NormCalls:
         """The step's mode for a region's recomputation: the recorded BatchNorm outputs, and the kept convolutions'."""
-        mode = self.norm_calls(batch_norm, INCall.output)  # InstanceNorm: the same output, no update
+        mode = self._norm_calls()(batch_norm, INCall.output)  # InstanceNorm: the same output, no update
         if self.kept is not None:
             mode.convolutions = functools.partial(self._replay, frame_ref)
         return mode

@@ -62,17 +62,17 @@ def region_modules(region: Region) -> list[nn.Module]:
 def _layers(model: nn.Module) -> dict[nn.Module, int]:
     """Each module's number of layers: modules with parameters of their own or no children, each counted once."""
     counts: dict[nn.Module, int] = {}
-
-    def count(m: nn.Module, seen: set[nn.Module]) -> int:
-        if m in counts:
-            return counts[m] if m not in seen else 0
-        seen.add(m)
-        own = 1 if (next(iter(m._parameters.values()), None) is not None or not m._modules) else 0
-        counts[m] = own + sum(count(c, seen) for c in m.children())
-        return counts[m]
-
-    count(model, set())
+    _count(model, counts, set())
     return counts
+
+
+def _count(m: nn.Module, counts: dict[nn.Module, int], seen: set[nn.Module]) -> int:
+    if m in counts:
+        return counts[m] if m not in seen else 0
+    seen.add(m)
+    own = 1 if (next(iter(m._parameters.values()), None) is not None or not m._modules) else 0
+    counts[m] = own + sum(_count(c, counts, seen) for c in m.children())
+    return counts[m]
 
 
 def wrappable(m: nn.Module) -> bool:
@@ -91,53 +91,60 @@ def runs_torch_sequential(m: nn.Module) -> bool:
     return isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward and wrappable(m)
 
 
-def choose_regions(model: nn.Module) -> list[Region]:
-    """The regions the step checkpoints, in the model's order (module doc)."""
-    layers = _layers(model)
-    target = max(2, math.isqrt(layers[model]))
-    regions: list[Region] = []
+class _Walk:
+    """The walk down the module tree that finds the regions (module doc). A class, not nested functions: those would
+    call each other through their closures, a cycle left for Python's collector after every step."""
 
-    def add(m: nn.Module) -> None:
-        if layers[m] >= 2 and m is not model and wrappable(m):
-            regions.append(m)
+    def __init__(self, model: nn.Module) -> None:
+        self.model, self.layers = model, _layers(model)
+        self.target = max(2, math.isqrt(self.layers[model]))
+        self.regions: list[Region] = []
 
-    def visit(m: nn.Module) -> None:
+    def add(self, m: nn.Module) -> None:
+        if self.layers[m] >= 2 and m is not self.model and wrappable(m):
+            self.regions.append(m)
+
+    def visit(self, m: nn.Module) -> None:
         if not has_forward(m):
             for child in m.children():
-                visit(child)
-        elif layers[m] <= target or not m._modules:
-            add(m)
+                self.visit(child)
+        elif self.layers[m] <= self.target or not m._modules:
+            self.add(m)
         elif runs_torch_sequential(m):
-            gather(m)
+            self.gather(m)
         else:
             for child in m.children():
-                visit(child)
+                self.visit(child)
 
-    def gather(seq: nn.Sequential) -> None:
+    def gather(self, seq: nn.Sequential) -> None:
         """Children too small alone gathered into runs of about `target` layers; larger ones visited."""
         children = list(seq._modules.values())
         start = total = 0
-
-        def close(stop: int) -> None:
-            if stop - start == 1:
-                add(children[start])
-            elif stop > start and total >= 2:
-                regions.append(Run(seq, start, stop))
-
         for i, child in enumerate(children):
-            if layers[child] >= 2:  # a region alone, or visited: as in any other module (module doc)
-                close(i)
-                visit(child)
+            if self.layers[child] >= 2:  # a region alone, or visited: as in any other module (module doc)
+                self.close(seq, children, start, i, total)
+                self.visit(child)
                 start, total = i + 1, 0
-            elif total + layers[child] > target and total > 0:
-                close(i)
-                start, total = i, layers[child]
+            elif total + self.layers[child] > self.target and total > 0:
+                self.close(seq, children, start, i, total)
+                start, total = i, self.layers[child]
             else:
-                total += layers[child]
-        close(len(children))
+                total += self.layers[child]
+        self.close(seq, children, start, len(children), total)
 
-    visit(model)
-    unique = _unique(regions)
+    def close(self, seq: nn.Sequential, children: list[nn.Module], start: int, stop: int, total: int) -> None:
+        """The run of children `start` to `stop` (excluded), of `total` layers, ended."""
+        if stop - start == 1:
+            self.add(children[start])
+        elif stop > start and total >= 2:
+            self.regions.append(Run(seq, start, stop))
+
+
+def choose_regions(model: nn.Module) -> list[Region]:
+    """The regions the step checkpoints, in the model's order (module doc)."""
+    walk = _Walk(model)
+    walk.visit(model)
+    unique = _unique(walk.regions)
     measured = [(size, i) for i, size in enumerate(_measured(unique)) if size is not None]
     if not measured:
         return unique
