@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -473,6 +474,58 @@ def test_auto_runs_passes_where_recompute_would_pass_the_budget_too():
     with pytest.warns(RuntimeWarning, match="running the passes schedule"):
         loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + recompute // 2)
     assert accumnorm.last_schedule(model).schedule == "passes"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def wide_first() -> nn.Sequential:
+    """A VGG-like stack whose first BatchNorm is wide and everything after it small: what recompute's forward keeps
+    (the regions' inputs) is little, what its backward recomputes for the first region is a lot."""
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
+                         nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
+                         nn.Flatten(), nn.Linear(4, 10)).double()
+
+
+def test_auto_counts_recomputes_backward_before_it_runs_and_runs_passes_where_only_the_forward_fits():
+    """The backward recomputes the first region for every micro-batch at once (its BatchNorm call waits for all
+    of them): at least the whole batch's input of that call. A budget with room for recompute's forward but not
+    for that runs passes, exactly, and says why; the recomputation is counted before the backward makes it."""
+    model, batch = wide_first(), data((1, 32, 32), 16, torch.float64)
+    grads, _, forward = figures(model, batch)
+    wide = 16 * 32 * 32 * 32 * 8  # the first BatchNorm's input of the whole batch
+    budget = grads + forward + wide // 2
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "passes" and "recompute would keep more than" in choice.reason, choice
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_auto_meters_every_recompute_step_and_judges_the_next_by_the_last_ones_figure():
+    """Recompute's regions and kept convolution outputs follow what the last step measured, so a step keeps what the
+    first one did not: each of its steps runs metered, and the next step is judged by the last one's figure. A budget
+    below the first step's need but with room for the second's runs recompute, exactly."""
+    model, batch = wide(), data((1, 6, 6), 8, torch.float64)
+    grads, layerwise, _ = figures(model, batch)
+    needs = []
+    for step in range(2):
+        with pytest.warns(RuntimeWarning, match="running the recompute schedule") if step == 0 else nullcontext():
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + layerwise - 1)
+        choice = accumnorm.last_schedule(model)
+        assert choice.schedule == "recompute", choice
+        needs.append(choice.need)
+    assert needs[1] != needs[0]  # the second step was measured anew
+    budget = (needs[0] + needs[1]) // 2
+    assert needs[1] <= budget < needs[0], needs
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.zero_grad()
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    assert accumnorm.last_schedule(model).schedule == "recompute"
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
 

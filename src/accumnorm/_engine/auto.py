@@ -1,7 +1,8 @@
 """schedule="auto": layerwise if its memory fits the budget, recompute if that fits, passes otherwise (`budget`).
 
 Each schedule is judged by this model's figure for batches of this shape, when an earlier step measured one,
-before it runs; without a figure it runs metered, and stops once what it keeps would pass the budget. On
+before it runs; without a figure it runs metered, and stops once what it keeps would pass the budget (recompute
+runs metered every time, its backward's recomputation reserved before the backward starts). On
 CUDA, an out-of-memory error sends the step to the next schedule as well. What ran and why is kept for
 `accumnorm.last_schedule(model)`; the first time a model leaves layerwise for lack of memory, a warning says so.
 """
@@ -45,12 +46,14 @@ def run_auto(step: Step, new_step: Callable[[], Step], store: Store | None, star
         if need is not None and budget is not None and need > budget:
             reasons.append(f"{name} would keep about {_mib(need)} (measured at an earlier step)")
             continue
-        meter = Meter(None if budget is None else budget - grads, store) if per_sample is None else None
+        # Recompute's regions and kept outputs follow the last step's measurements: its figure is measured anew.
+        metered = per_sample is None or name == "recompute"
+        meter = Meter(None if budget is None else budget - grads, store, samples) if metered else None
         try:
             schedule(step, meter or store)
         except OverBudget:
             known[(key, name)] = meter.bytes / samples
-            reasons.append(f"{name} kept more than {_mib(budget)} by the middle of its forward")
+            reasons.append(f"{name} would keep more than {_mib(budget)} (this step's meter stopped it first)")
         except torch.OutOfMemoryError as e:
             reasons.append(f"{name} ran out of memory ({e})")
         except RegionStateChanged as e:

@@ -7,8 +7,10 @@ counted once, parameters not at all), per sample, as this model's last step with
 measured them, times the step's samples, plus the gradients it makes. Layerwise runs when its need fits the
 budget, recompute when its does, passes otherwise. A step with no figure yet runs metered: the meter stops it
 (`OverBudget`) as soon as what it keeps would pass the budget, before it does, and the step starts over in the
-next schedule. Recompute's figure is what its forward keeps (the regions' inputs, what runs outside them); its
-backward adds one region's recomputation for the whole batch, which the figure does not count.
+next schedule. Recompute's figure is what its forward keeps (the regions' inputs, what runs outside them, the kept
+convolution outputs) and, reserved before its backward starts, the recomputation of its largest region for every
+micro-batch at once, which that backward holds. Its regions and kept outputs are chosen from the last step's
+measurements, so that each of its steps runs metered.
 
 The budget, by default: on CUDA the device's free memory, on the CPU the available memory (the kernel's
 MemAvailable), each less a tenth; `memory_budget` sets it in bytes.
@@ -119,12 +121,23 @@ def last_schedule(model: nn.Module) -> Choice | None:
 
 class Meter:
     """Saved-tensor hooks that count the bytes autograd keeps (a storage once, parameters not at all) and raise
-    `OverBudget` once they pass `limit`; they pass each tensor on to `store`'s hooks, if any."""
+    `OverBudget` once they pass `limit`; they pass each tensor on to `store`'s hooks, if any. `reserve` counts what
+    the step will hold beside them in its backward, for each of its `samples`."""
 
-    def __init__(self, limit: float | None, store: Store | None) -> None:
-        self.limit, self.store = limit, store
+    def __init__(self, limit: float | None, store: Store | None, samples: int) -> None:
+        self.limit, self.store, self.samples = limit, store, samples
         self.bytes = 0
         self._seen: set[int] = set()
+
+    def reserve(self, per_sample: float) -> None:
+        """Count `per_sample` bytes for each of the step's samples (a region's recomputation in the backward, for every
+        micro-batch at once), before the backward makes them; raise `OverBudget` if the budget has no room for them."""
+        self.bytes += int(per_sample * self.samples)
+        self._check()
+
+    def _check(self) -> None:
+        if self.limit is not None and self.bytes > self.limit:
+            raise OverBudget
 
     def hooks(self) -> AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -136,8 +149,7 @@ class Meter:
             if key not in self._seen:
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
-                if self.limit is not None and self.bytes > self.limit:
-                    raise OverBudget
+                self._check()
         return t if self.store is None else self.store.pack(t)
 
     def unpack(self, packed: Any) -> Tensor:

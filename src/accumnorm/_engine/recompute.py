@@ -36,9 +36,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from .budget import Meter
 from .checkpoint import in_recomputation, in_region, region_frames
 from .lockstep import layerwise
-from .regions import Region, Run, choose_regions, keep_allowance, record_saved, region_modules
+from .regions import Region, Run, choose_regions, keep_allowance, largest_saved, record_saved, region_modules
 from .step import Step
 from .store import Store
 from .threadstate import saved_tensor_hooks
@@ -186,18 +187,21 @@ _MISSING = object()
 def recompute(step: Step, store: Store | None) -> None:
     """Exact BatchNorm in lockstep with checkpointed regions (module doc); fills `step.losses` and the step's calls.
 
-    Raises RegionStateChanged, before any backward, if a region's forward changed its module's state.
+    Raises RegionStateChanged, before any backward, if a region's forward changed its module's state; under a
+    `Meter` ("auto"), OverBudget if the backward's recomputation would pass the budget.
     """
     regions = choose_regions(step.model)
     step.regions.keep_convolutions(step.modules, keep_allowance(regions), len(step.micro_batches))
     with checkpointed(regions, step.regions.own):
         state = _State(regions)
 
-        def check_unchanged() -> None:
+        def before_backward() -> None:
             step.regions.kept.seal()
             problem = state.changed(step.names)
             if problem is not None:
                 raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but "
                                          f"in the forward {problem}: its recomputation would not be exact")
+            if isinstance(store, Meter):  # "auto": the backward recomputes a region for every micro-batch at once
+                store.reserve(largest_saved(regions))
 
-        layerwise(step, store, before_backward=check_unchanged)
+        layerwise(step, store, before_backward=before_backward)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["Run", "Region", "choose_regions", "keep_allowance", "record_saved", "region_modules"]
+__all__ = ["Run", "Region", "choose_regions", "keep_allowance", "largest_saved", "record_saved", "region_modules"]
 
 _SHARE = 0.25  # of the largest region's saved bytes, what the regions left as they are may keep together
 # of the largest region's saved bytes per sample, what the kept convolution outputs may take (`kept`): they stay
@@ -162,8 +162,13 @@ def choose_regions(model: nn.Module) -> list[Region]:
 def keep_allowance(regions: list[Region]) -> float:
     """The bytes per sample the regions' kept convolution outputs may take (`kept`): a tenth of the largest region's
     saved bytes, once a step has measured them; nothing before."""
-    sizes = [size for size in _measured(regions) if size is not None]
-    return _KEEP_SHARE * max(sizes) if sizes else 0.0
+    return _KEEP_SHARE * largest_saved(regions)
+
+
+def largest_saved(regions: list[Region]) -> float:
+    """The largest of the regions' saved bytes per sample, as their last checkpointed forwards measured them (0 before
+    any): what the backward's recomputation of that region holds per sample, for every micro-batch at once."""
+    return max((size for size in _measured(regions) if size is not None), default=0.0)
 
 
 def _measured(regions: list[Region]) -> list[float | None]:
