@@ -8,8 +8,9 @@ its own) normalizes one micro-batch alone. Both show in the autograd graph, and 
 
 - autograd numbers the nodes it makes on a thread in order (`Node._sequence_nr`), so the numbers taken at the
   start and end of each micro-batch's turn (`begin`, `end`) say which micro-batch made each node;
-- the met calls' nodes are the one place the K graphs may join: there micro-batch k's walk goes on at its own
-  piece's input only (`met`);
+- the met calls' nodes are the one place the K graphs may join: micro-batch k may use its own rows of the output
+  only (the node's output k), and its walk goes on at its own piece's input (`met`); the batch's cut is a node
+  too when the batch has a graph, each micro-batch's samples one of its outputs;
 - a batch-norm node with batch statistics in a micro-batch's graph is a call the step did not see (the step's
   own are met calls, whose nodes the walk steps over, and the instance norms it saw, which torch computes as
   batch norms of one sample: `instance_norm`).
@@ -33,6 +34,12 @@ __all__ = ["Graphs"]
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 
+Edge = tuple[Any, int]  # an autograd node and one of its outputs, as in `Node.next_functions`
+
+
+def _edge(t: Tensor) -> Edge | None:
+    return None if t.grad_fn is None else (t.grad_fn, t.output_nr)
+
 # Autograd's nodes of the batch-norm ops that normalize with batch statistics when `training` (saved) is true.
 _BATCH_NORM_NODES = frozenset({
     "NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0", "NativeBatchNormLegitBackward0",
@@ -43,12 +50,19 @@ _BATCH_NORM_NODES = frozenset({
 class Graphs:
     """Which micro-batch made which autograd node, the met calls' nodes, and the walk (module doc)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, micro_batches: Sequence[Any]) -> None:
         self.model = model
         self.starts: list[int] = []  # the first sequence number of each span of turns, in order
         self.owners: list[int | None] = []  # and whose span it is (None: the driver's, between turns)
-        self.pieces: dict[Any, Sequence[Any]] = {}  # a met call's node -> each micro-batch's input node
+        # A node whose outputs are the micro-batches' rows -> (output -> its micro-batch, what the rows are)
+        self.rows: dict[Any, tuple[dict[int, int | None], str]] = {}
+        self.pieces: dict[Any, Sequence[Edge | None]] = {}  # a met call's node -> each micro-batch's input
         self.seen: set[Any] = set()  # the batch-norm nodes of the instance norms the step saw (one sample each)
+        for k, micro_batch in enumerate(micro_batches):
+            for t in tree_leaves(micro_batch):
+                if isinstance(t, Tensor) and t.grad_fn is not None:
+                    whose, _ = self.rows.setdefault(t.grad_fn, ({}, "its samples of the batch"))
+                    whose[t.output_nr] = k if whose.get(t.output_nr, k) == k else None  # one tensor in two: no one's
 
     def begin(self, k: int) -> None:
         """Micro-batch k's turn starts: the nodes made from now on are its own."""
@@ -69,7 +83,8 @@ class Graphs:
         """A met call: `outputs[k]`, micro-batch k's rows of it, from `inputs[k]`, its piece of the input."""
         node = outputs[0].grad_fn
         if node is not None:
-            self.pieces[node] = [x.grad_fn for x in inputs]
+            self.rows[node] = ({y.output_nr: k for k, y in enumerate(outputs)}, "its rows of a BatchNorm call's output")
+            self.pieces[node] = [_edge(x) for x in inputs]
 
     def instance_norm(self, output: Tensor) -> None:
         """An instance norm the step saw: torch computes it as a batch norm over a view of one sample."""
@@ -83,6 +98,7 @@ class Graphs:
 
     def clear(self) -> None:
         """Let go of the nodes held (once the graphs are checked, or the step failed)."""
+        self.rows.clear()
         self.pieces.clear()
         self.seen.clear()
 
@@ -101,41 +117,46 @@ class Graphs:
         """Walk each micro-batch k's graph from its `result` (its loss, or its outputs): raise on another
         micro-batch's node, or on a batch-statistics batch norm the step did not make."""
         walked: dict[Any, int] = {}  # node -> the micro-batch whose walk reached it first
-        shared: list[tuple[int, Any]] = []  # (micro-batch, another's node it reached)
+        shared: list[tuple[int, Any, int | None]] = []  # (micro-batch, another's node it reached, whose)
         for k, result in results:
             self._walk(k, result, walked, shared)
         if shared:  # an unseen batch norm is said first: a thread's nodes are numbered apart, and may seem shared
             self._shared(*shared[0])
 
-    def _walk(self, k: int, result: Any, walked: dict[Any, int], shared: list[tuple[int, Any]]) -> None:
+    def _walk(self, k: int, result: Any, walked: dict[Any, int], shared: list[tuple[int, Any, int | None]]) -> None:
         pieces, owner = self.pieces, self.owner
-        stack = [t.grad_fn for t in tree_leaves(result) if isinstance(t, Tensor) and t.grad_fn is not None]
+        stack = [_edge(t) for t in tree_leaves(result) if isinstance(t, Tensor) and t.grad_fn is not None]
         while stack:
-            node = stack.pop()
+            node, output = stack.pop()
+            rows = self.rows.get(node)
+            if rows is not None and rows[0].get(output) not in (None, k):  # another micro-batch's rows
+                shared.append((k, node, rows[0][output]))
+                continue
+            piece = pieces.get(node)
+            if piece is not None:  # a met call, every micro-batch's: on at this micro-batch's piece only
+                if piece[k] is not None:
+                    stack.append(piece[k])
+                continue
             first = walked.get(node)
             if first is not None:
                 if first != k and owner(node) not in (None, k):
-                    shared.append((k, node))
+                    shared.append((k, node, owner(node)))
                 continue
             walked[node] = k
-            own = pieces.get(node)
-            if own is not None:  # a met call: on at this micro-batch's piece only
-                if own[k] is not None:
-                    stack.append(own[k])
-                continue
             made_by = owner(node)
             if made_by is not None and made_by != k:
-                shared.append((k, node))
+                shared.append((k, node, made_by))
             if type(node).__name__ in _BATCH_NORM_NODES and getattr(node, "_saved_training", True) \
                     and node not in self.seen:
                 self._unseen(k, node)
-            stack.extend(n for n, _ in node.next_functions if n is not None)
+            stack.extend(e for e in node.next_functions if e[0] is not None)
 
-    def _shared(self, k: int, node: Any) -> None:
-        j = self.owner(node)
+    def _shared(self, k: int, node: Any, j: int | None) -> None:
+        rows = self.rows.get(node)
+        what = rows[1] if rows is not None else type(node).__name__
         raise ValueError(
-            f"bn='exact' (layerwise schedule): micro-batch {k} used a tensor that micro-batch {j} made "
-            f"({type(node).__name__}{self._where(node)}). The micro-batches' forwards run interleaved, meeting at "
+            f"bn='exact': micro-batch {k} used a tensor that micro-batch {j} made "
+            f"({what}{self._where(node)}). The micro-batches' forwards run interleaved, meeting at "
             "every BatchNorm call, so Python state one of them writes (a forward hook's stash, a module attribute, "
             "a global, a closure) is overwritten by another before it is read. Nothing was changed. Keep such "
             "state local to the call (return it from the forward), or use schedule='passes', which runs each "

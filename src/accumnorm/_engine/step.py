@@ -80,7 +80,7 @@ class Step:
         self.batch_norms: list[tuple[BNCall, Moments, float | None]] = []  # recorded calls, to update at the end
         self.instance_norms: list[_InstanceNormStats] = []
         self.regions = Regions(self.norm_calls)
-        self.graphs = Graphs(model)  # who made which node of the K graphs, checked before their backward
+        self.graphs = Graphs(model, micro_batches)  # who made which node of the K graphs, checked before their backward
         self.modules = modules  # every module of the model, once, with its name (`tree.module_names`)
         self.parameters = parameters  # every parameter of those modules, once (`tree.parameters`)
         self._names: dict[nn.Module, str] | None = None
