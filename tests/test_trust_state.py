@@ -202,6 +202,37 @@ def test_an_input_with_a_graph_kept_across_a_batch_norm_call_is_exact_or_refused
         assert outcome == "exact"
 
 
+class Compiled(nn.Module):
+    """A submodule with BatchNorm under torch.compile: its forward runs in a frame torch.compile evaluates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = net()
+        self.compiled = torch.compile(self.body, backend="eager")
+
+    def forward(self, x):
+        return self.compiled(x)
+
+
+@pytest.mark.slow
+def test_a_compiled_forward_is_exact_and_leaves_no_compile_callback_on_the_thread(schedule_any):
+    """A micro-batch paused at a BatchNorm call inside a compiled forward: torch.compile's per-thread frame callback
+    is that micro-batch's, so the step's own code and the caller's code after it run uncompiled. A graph compiled
+    with the BatchNorm call in it (from the second step on) is a call the step cannot see: refused."""
+    torch._dynamo.reset()
+    model = Compiled()
+    batch = data((1, 6, 6), 8, torch.float64)
+    ref = copy.deepcopy(model)
+    outcomes = []
+    for _ in range(2):
+        expected = whole_batch(ref, batch)
+        outcome = exact_or_refused(ref, model, batch, schedule_any, expected, loss_fn=ce_loss)
+        assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None
+        outcomes.append(outcome)
+        ref.zero_grad()
+    assert outcomes[0] == "exact" or schedule_any == "passes", outcomes
+
+
 class ReadsLocal(nn.Module):
     """A model that reads, after its first BatchNorm call, a tensor that loss_fn keeps in a threading.local."""
 

@@ -4,7 +4,7 @@ torch keeps grad mode, autocast, saved-tensor hooks, torch-function and dispatch
 device and stream per OS thread, as asyncio keeps its running loop. The layerwise schedule runs the K
 micro-batches' forwards as coroutines on the caller's thread, each paused at a BatchNorm call while the
 others catch up: what one of them has entered (a `no_grad`, an `autocast`, a checkpointed region's
-hooks, an `asyncio.run`) must neither leak into the others nor into the step. Nor must the
+hooks, an `asyncio.run`, a `torch.compile`d forward) must neither leak into the others nor into the step. Nor must the
 process-wide flags a forward enters and leaves (`detect_anomaly`, `torch.backends.*.flags`, the
 default dtype: `flags`), kept with the modes.
 `ThreadState.capture()` takes all of it and `apply()` puts it back, changing only what differs.
@@ -26,6 +26,8 @@ from .flags import flags, set_flags
 __all__ = ["ThreadState", "Modes", "autocast_cache_off"]
 
 _C = torch._C
+_get_eval_frame = _C._dynamo.eval_frame.get_eval_frame_callback
+_set_eval_frame = _C._dynamo.eval_frame.set_eval_frame
 
 
 class Modes(NamedTuple):
@@ -99,6 +101,9 @@ class ThreadState(NamedTuple):
     cuda: tuple[int, Any] | None  # current device and stream, once CUDA is initialized
     keys: tuple[int, int]  # the dispatcher's thread-local included and excluded keys, as raw bits
     event_loop: Any  # asyncio's running loop, also kept per thread: a forward may run inside asyncio.run
+    # torch.compile's frame-evaluation callback, set per thread while a compiled module's forward runs: a
+    # micro-batch paused inside one must not leave it to the step's own code (which it would compile)
+    eval_frame: Any
 
     @classmethod
     def capture(cls, modes: Modes | None = None) -> ThreadState:
@@ -119,6 +124,7 @@ class ThreadState(NamedTuple):
             cuda,
             _keys(),
             _running_loop(),
+            _get_eval_frame(),
         )
 
     def apply(self, current: ThreadState) -> None:
@@ -165,6 +171,8 @@ class ThreadState(NamedTuple):
             torch.cuda.set_stream(self.cuda[1])
         if self.event_loop is not current.event_loop:
             _set_running_loop(self.event_loop)
+        if self.eval_frame is not current.eval_frame:
+            _set_eval_frame(self.eval_frame)
         if _keys() != self.keys:
             raise RuntimeError(
                 "accumnorm cannot switch between micro-batches here: torch's dispatcher state of this thread differs "
