@@ -274,6 +274,34 @@ def test_a_stack_of_single_layers_is_checkpointed_in_runs_of_its_children_exactl
     compare(ref, model, 1e-9)
 
 
+class Reached(nn.Module):
+    """A stack reached by two paths: as itself, and inside torch.compile's wrapper (a module with no forward of its
+    own, whose child is the stack), which the forward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack = stack()
+        self.compiled = torch.compile(self.stack, backend="eager")
+
+    def forward(self, x):
+        return self.compiled(x)
+
+
+@pytest.mark.slow
+def test_a_sequential_reached_by_two_paths_is_cut_into_each_run_once():
+    """A module reached twice in the walk (here through torch.compile's wrapper) gives its runs once: a run given
+    twice ran its children twice over, into a shape error."""
+    model, batch = Reached(), data((1, 16, 16), 8, torch.float64)
+    runs = [(r.start, r.stop) for r in choose_regions(model) if isinstance(r, Run)]
+    assert runs and len(runs) == len(set(runs)), runs
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
 class OwnForward(nn.Sequential):
     """A Sequential with a forward of its own: the step cannot run its children in runs."""
 

@@ -177,15 +177,14 @@ def _measured(regions: list[Region]) -> list[float | None]:
 
 
 def _unique(regions: list[Region]) -> list[Region]:
-    """Each module region once (a module reached by two paths), in order."""
-    seen: set[nn.Module] = set()
+    """Each region once (a module reached by two paths: shared, or wrapped by `torch.compile`), in order."""
+    seen: set[nn.Module | tuple[nn.Module, int, int]] = set()
     out = []
     for r in regions:
-        if isinstance(r, nn.Module):
-            if r in seen:
-                continue
-            seen.add(r)
-        out.append(r)
+        key = (r.parent, r.start, r.stop) if isinstance(r, Run) else r
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
     return out
 
 
