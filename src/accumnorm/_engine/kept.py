@@ -9,16 +9,17 @@ fit in an allowance per sample (a tenth of the largest region's saved bytes, `re
 convolution runs once per step:
 
 - in the region's forward it runs as usual, under a pack hook that notes which of its arguments autograd saved;
-  its output is kept, packed by the step's own saved-tensor hooks (the hooks below the region's: the host store
-  or the budget's meter, where there is one), as any tensor the step keeps for its backward;
+  a copy of its output is kept, packed by the step's own saved-tensor hooks (the hooks below the region's: the
+  host store or the budget's meter, where there is one), as any tensor the step keeps for its backward;
 - in the recomputation the same call packs those same arguments in the region's place, as the convolution
   did, and gives the kept output back instead of running.
 
 Only a call of the forward's, in its order, with the same module and input shape, gets its output back; an
-output the forward changed in place afterwards (a `ReLU(inplace=True)`: seen once the forwards are over), an
 argument autograd saved that is not the call's own (an autocast copy), or a call the recomputation makes
-otherwise runs again as usual, which is what the region would have done. The result is the forward's output,
-bit for bit, so exactness is unchanged.
+otherwise runs again as usual, which is what the region would have done. What is kept is a copy of the output
+as the convolution made it, so that what the forward did to the output afterwards, in place too (a
+`ReLU(inplace=True)`, a write through `.data`), the recomputation does again to the copy: the result is the
+forward's, bit for bit, so exactness is unchanged.
 
 Why not torch's selective checkpointing (`context_fn`): its TorchDispatchMode sees every op of every region,
 in the forward and again in the recomputation, a Python call per op, and it refuses a kept output changed in
@@ -52,25 +53,20 @@ def keeps(conv: nn.Module) -> bool:
 
 
 class _Call:
-    """One kept convolution call of a region's forward: its output, packed by the step's own saved-tensor hooks."""
+    """One kept convolution call of a region's forward: a copy of its output, packed by the step's own saved-tensor
+    hooks. A copy, not the output: the forward may change its output in place afterwards (`ReLU(inplace=True)`, or
+    through `.data`, which no version counter sees), and the recomputation does that again to what it is given."""
 
-    __slots__ = ("module", "shape", "output", "version", "packed", "unpack", "roles")
+    __slots__ = ("module", "shape", "packed", "unpack", "roles")
 
     def __init__(self, module: nn.Module, shape: torch.Size, output: Tensor, roles: list[int] | None,
                  hooks: tuple[Any, Any] | None) -> None:
         self.module, self.shape, self.roles = module, shape, roles
-        self.output = self.packed = self.unpack = None  # nothing kept of a call that cannot give its output back
-        self.version = output._version
+        self.packed = self.unpack = None  # nothing kept of a call that cannot give its output back
         if roles is not None:
-            self.output = output.detach()
+            kept = output.detach().clone()
             self.unpack = None if hooks is None else hooks[1]
-            self.packed = self.output if hooks is None else hooks[0](self.output)
-
-    def seal(self) -> None:
-        """At the forwards' end: an output changed in place since is not given back; let go of the output itself."""
-        if self.output is not None and self.output._version != self.version:
-            self.roles = None
-        self.output = None
+            self.packed = kept if hooks is None else hooks[0](kept)
 
     def given(self) -> Tensor:
         return self.packed if self.unpack is None else self.unpack(self.packed)
@@ -125,14 +121,10 @@ class Kept:
         return out
 
     def seal(self) -> None:
-        """The forwards are over: note the candidates' sizes, and see which kept outputs the forwards changed in
-        place (`_Call.seal`)."""
+        """The forwards are over: note the candidates' sizes."""
         for m, size in self.sizes.items():
             if size:
                 _OUTPUT_BYTES[m] = size / self.micro_batches
-        for _, calls in self.frames.values():
-            for call in calls:
-                call.seal()
 
     def replay(self, frame: Any, module: nn.Module, forward: Callable[..., Tensor], input: Tensor) -> Tensor:  # noqa: A002
         """A convolution of a region's recomputation: the forward's output again where it can be (module doc)."""
@@ -149,10 +141,9 @@ class Kept:
         args = _arguments(module, input)
         for role in call.roles:
             pack(args[role])
-        output = call.given()
         if torch.is_grad_enabled() and any(a is not None and a.requires_grad for a in args):
-            return _Given.apply(output, *(a for a in args if a is not None))
-        return output
+            return _Given.apply(call.given, *(a for a in args if a is not None))
+        return call.given()
 
     def clear(self) -> None:
         self.frames.clear()
@@ -180,11 +171,13 @@ def _reduction(conv: nn.Module) -> int:
 
 class _Given(torch.autograd.Function):
     """A kept output given back in a recomputation, as a non-leaf that requires grad (what comes next in the region
-    saves what it saved in the forward). The recomputation's graph is never back-propagated: the forward's is."""
+    saves what it saved in the forward), made in the forward rather than passed in: not a view of an input, so that
+    the region may go on in place (`ReLU(inplace=True)`). The recomputation's graph is never back-propagated: the
+    forward's is."""
 
     @staticmethod
-    def forward(ctx, output, *arguments):  # type: ignore[override]
-        return output
+    def forward(ctx, given, *arguments):  # type: ignore[override]
+        return given()
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
