@@ -58,7 +58,7 @@ def checkpointed_step(model: nn.Module, batch: Batch, micro: int, case: Case) ->
     from accumnorm._engine.recompute import checkpointed  # the schedule's own regions, not a public API
     from accumnorm._engine.regions import choose_regions
 
-    with checkpointed(choose_regions(model), lambda frame: None):
+    with checkpointed(choose_regions(model), lambda frame, region: None):
         plain_step(model, batch, micro, case)
 
 

@@ -229,6 +229,56 @@ def test_a_region_that_changes_its_state_runs_under_layerwise_with_a_warning(blo
     compare(ref, model, 1e-9)
 
 
+class Flips(Block):
+    """A block whose forward depends on `training` and on `flipped`, and saves nothing more for them."""
+
+    def forward(self, x):
+        h = torch.tanh(self.b1(self.c1(x)))
+        return x + self.b2(self.c2(h.flip(-1) if self.training != self.flipped else h))
+
+
+class Toggles(nn.Module):
+    """Runs its second block with `training` off for the call and back on after, as a parent may for one part."""
+
+    def __init__(self, attribute: str) -> None:
+        super().__init__()
+        self.attribute = attribute
+        self.stem = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh())
+        self.blocks = nn.ModuleList(Flips() for _ in range(3))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for i, b in enumerate(self.blocks):
+            if i == 1:
+                during = self.attribute == "flipped"  # training off, or flipped on, for this call alone
+                setattr(b, self.attribute, during)
+                x = b(x)
+                setattr(b, self.attribute, not during)
+            else:
+                x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("attribute", ["training", "flipped"])
+def test_a_region_called_with_its_state_switched_and_switched_back_runs_under_layerwise(attribute):
+    """The state a region's forward ran with must be the one its recomputation runs with, at the forward's end: a
+    flag switched around one call and back would make the recomputation another function (a gradient 0.67 off)."""
+    model = Toggles(attribute).double()
+    for b in model.blocks:
+        b.flipped = False
+    batch = data((1, 8, 8), 8, torch.float64)
+    assert model.blocks[1] in choose_regions(model)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match=f"called with its attribute '{attribute}' set otherwise.*using the "
+                                            "layerwise"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "layerwise"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
 def test_a_region_whose_recomputation_makes_more_batchnorm_calls_is_refused_and_changes_nothing():
     calls: dict[int, int] = {}
 

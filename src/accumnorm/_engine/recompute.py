@@ -49,6 +49,9 @@ __all__ = ["recompute", "RegionStateChanged"]
 _STEP_STATE = ("running_mean", "running_var", "num_batches_tracked")  # a BatchNorm's, kept by the step itself
 
 
+Own = Callable[[Any, "Region"], None]  # told of each region call's checkpoint frame in the forward
+
+
 class RegionStateChanged(Exception):
     """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
 
@@ -71,11 +74,12 @@ def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
 
 
 def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
-                 own: Callable[[Any], None]) -> Any:
+                 own: Own) -> Any:
     """`forward(*args, **kwargs)` in a checkpointed region. The arguments go in as their tensors, which the region
     saves, and a structure built afresh around them: a list the caller appends to after the call (DenseNet's
     features) is recomputed as the forward saw it. A forward that changes its tensors or containers in place is
-    refused. `own(frame)` learns of the region's checkpoint frame, in which convolutions may keep their outputs."""
+    refused. `own(frame, region)` learns of each forward's call: the region's checkpoint frame, in which
+    convolutions may keep their outputs."""
     hooks = saved_tensor_hooks()
     # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
     if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
@@ -94,7 +98,7 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
             return forward(*a, **kw)
         given[0] = (a, kw)
         frame = region_frames(saved_tensor_hooks())[-1]
-        own(frame)
+        own(frame, region)
         out = forward(*a, **kw)
         record_saved(region, _saved_bytes(frame, region, inputs[0].shape[0] if inputs and inputs[0].dim() else 1))
         return out
@@ -109,14 +113,14 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
     return out
 
 
-def _module_forward(own: Callable[[Any], None]) -> Callable[..., Any]:
+def _module_forward(own: Own) -> Callable[..., Any]:
     """A module region's forward: its class's, checkpointed."""
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return _region_call(self, types.MethodType(type(self).forward, self), args, kwargs, own)
     return forward
 
 
-def _sequential_forward(runs: list[Run], own: Callable[[Any], None]) -> Callable[..., Any]:
+def _sequential_forward(runs: list[Run], own: Own) -> Callable[..., Any]:
     """torch's `nn.Sequential.forward` with `runs` of its children each called in one checkpointed region: every
     child is called as torch calls it (its hooks run), on the output of the one before."""
     def forward(self: nn.Sequential, input: Any) -> Any:
@@ -140,9 +144,9 @@ def _call_in_turn(children: list[nn.Module], input: Any) -> Any:
 
 
 @contextmanager
-def checkpointed(regions: list[Region], own: Callable[[Any], None]) -> Iterator[None]:
+def checkpointed(regions: list[Region], own: Own) -> Iterator[None]:
     """The regions' forwards checkpointed until the block ends: a module region's own forward, and the forward of
-    the `nn.Sequential` that holds a run. `own(frame)` learns of each checkpoint frame they make."""
+    the `nn.Sequential` that holds a run. `own(frame, region)` learns of each checkpoint frame they make."""
     runs: dict[nn.Sequential, list[Run]] = {}
     for r in regions:
         if isinstance(r, Run):
@@ -161,27 +165,50 @@ def checkpointed(regions: list[Region], own: Callable[[Any], None]) -> Iterator[
 
 
 class _State:
-    """What a forward must leave alone in the regions' modules: their attributes and their buffers' versions."""
+    """What a forward must leave alone in the regions' modules: their attributes and their buffers' versions, as
+    the step found them, at the forwards' end and at each region call (the recomputation runs with them as they are
+    at the end: a `training` flag switched off around one call and back would run that call otherwise)."""
 
     def __init__(self, regions: list[Region]) -> None:
-        modules = list(dict.fromkeys(d for r in regions for m in region_modules(r) for d in m.modules()))
-        self.attributes = [(m, dict(vars(m))) for m in modules]
+        self.regions = {r: list(dict.fromkeys(d for m in region_modules(r) for d in m.modules())) for r in regions}
+        modules = list(dict.fromkeys(m for ms in self.regions.values() for m in ms))
+        self.attributes = {m: dict(vars(m)) for m in modules}
         self.buffers = [(m, name, b, b._version) for m in modules for name, b in m._buffers.items()
                         if b is not None and not (isinstance(m, _BatchNorm) and name in _STEP_STATE)]
+        self.called_otherwise: tuple[nn.Module, str] | None = None  # a module and attribute, at a region call
+
+    def called(self, region: Region) -> None:
+        """A forward's call of `region`: note it if its modules' attributes are not the step's."""
+        if self.called_otherwise is None:
+            for m in self.regions[region]:
+                key = _differs(self.attributes[m], vars(m))
+                if key is not None:
+                    self.called_otherwise = (m, key)
+                    return
 
     def changed(self, names: dict[nn.Module, str]) -> str | None:
-        for m, before in self.attributes:
-            now = vars(m)
-            for key in before.keys() | now.keys():
-                if before.get(key, _MISSING) is not now.get(key, _MISSING):
-                    return f"{type(m).__name__} {names.get(m, '')} set its attribute {key!r}"
+        for m, before in self.attributes.items():
+            key = _differs(before, vars(m))
+            if key is not None:
+                return f"{type(m).__name__} {names.get(m, '')} set its attribute {key!r}"
         for m, name, b, version in self.buffers:
             if m._buffers.get(name) is not b or b._version != version:
                 return f"{type(m).__name__} {names.get(m, '')} changed its buffer {name!r}"
+        if self.called_otherwise is not None:
+            m, key = self.called_otherwise
+            return (f"{type(m).__name__} {names.get(m, '')} was called with its attribute {key!r} set otherwise than "
+                    "it is at the forward's end")
         return None
 
 
 _MISSING = object()
+
+
+def _differs(before: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first attribute whose value is not the same object in `now` as in `before`, if any."""
+    if len(before) == len(now) and all(now.get(key, _MISSING) is value for key, value in before.items()):
+        return None
+    return next(key for key in before.keys() | now.keys() if before.get(key, _MISSING) is not now.get(key, _MISSING))
 
 
 def recompute(step: Step, store: Store | None) -> None:
@@ -192,7 +219,11 @@ def recompute(step: Step, store: Store | None) -> None:
     """
     regions = choose_regions(step.model)
     step.regions.keep_convolutions(step.modules, keep_allowance(regions), len(step.micro_batches))
-    with checkpointed(regions, step.regions.own):
+    def called(frame: Any, region: Region) -> None:
+        step.regions.own(frame)
+        state.called(region)
+
+    with checkpointed(regions, called):
         state = _State(regions)
 
         def before_backward() -> None:
