@@ -297,6 +297,29 @@ def test_a_region_whose_recomputation_makes_more_batchnorm_calls_is_refused_and_
     assert_unchanged(model, snap)
 
 
+class ChangesSaved(Block):
+    """Changes tanh's output in place after tanh saved it for its backward, which autograd refuses."""
+
+    def forward(self, x):
+        h = torch.tanh(self.b1(self.c1(x)))
+        h.mul_(2)
+        return x + self.b2(self.c2(h))
+
+
+def test_a_saved_tensor_changed_in_place_in_a_region_is_refused_as_torch_refuses_it():
+    """Whole-batch torch raises "modified by an inplace operation" at the backward. A checkpointed region saves
+    placeholders, which autograd cannot check, and its recomputation changes the tensor again: the backward would
+    read the changed one (a gradient 27x off). The region's recomputation notes each saved tensor's version, and the
+    backward refuses as torch's does, with nothing changed."""
+    model, batch = net(ChangesSaved), data((1, 8, 8), 8, torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        whole_batch(copy.deepcopy(model), batch)
+    snap = snapshot(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*recompute schedule.*Nothing was changed"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert_unchanged(model, snap)
+
+
 # ---------------------------------------------------------------- runs of an nn.Sequential's children
 
 

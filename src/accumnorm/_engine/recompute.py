@@ -88,6 +88,7 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     versions = [leaves[i]._version for i in tensors]
     given: list[Any] = [None]  # the arguments the forward (not a recomputation) was given
+    saved = _SavedVersions()
 
     def run(*inputs: Tensor) -> Any:
         filled = list(leaves)
@@ -95,11 +96,13 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
             filled[i] = t
         a, kw = tree_unflatten(filled, spec)
         if given[0] is not None:  # a recomputation
-            return forward(*a, **kw)
+            with _top_hooks(pack=saved.noting):
+                return forward(*a, **kw)
         given[0] = (a, kw)
         frame = region_frames(saved_tensor_hooks())[-1]
         own(frame, region)
-        out = forward(*a, **kw)
+        with _top_hooks(pack=saved.numbering, unpack=saved.checking):
+            out = forward(*a, **kw)
         record_saved(region, _saved_bytes(frame, region, inputs[0].shape[0] if inputs and inputs[0].dim() else 1))
         return out
 
@@ -111,6 +114,63 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
                                  f"forward of {type(region_modules(region)[0]).__name__} changed its arguments in "
                                  "place: its recomputation would not be exact")
     return out
+
+
+class _SavedVersions:
+    """Autograd's check that a tensor saved for the backward was not changed in place since, for a region's saved
+    tensors. A checkpointed region saves placeholders, and its recomputation saves the tensors again, in the same
+    order, with no check: a forward that changes a saved tensor in place (which autograd refuses) does so again in
+    the recomputation, and the backward would read the changed tensor. So the forward numbers its placeholders, the
+    recomputation notes the version of each tensor it saves by that number, and the forward's unpack compares."""
+
+    def __init__(self) -> None:
+        self.saved = 0  # placeholders the forward made
+        self.versions: list[int] = []  # the recomputation's saved tensors' versions, in the order it saved them
+
+    def numbering(self, pack: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
+        @functools.wraps(pack)  # still the region's hook to whoever looks (`in_region`, `region_frames`)
+        def number(t: Tensor) -> Any:
+            placeholder = pack(t)
+            placeholder.accumnorm_index = self.saved
+            self.saved += 1
+            return placeholder
+        return number
+
+    def noting(self, pack: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
+        @functools.wraps(pack)  # still the recomputation's hook to whoever looks (`in_recomputation`)
+        def note(t: Tensor) -> Any:
+            self.versions.append(t._version)
+            return pack(t)
+        return note
+
+    def checking(self, unpack: Callable[[Any], Tensor]) -> Callable[[Any], Tensor]:
+        def check(placeholder: Any) -> Tensor:
+            t = unpack(placeholder)
+            index = getattr(placeholder, "accumnorm_index", len(self.versions))
+            if index < len(self.versions) and t._version != self.versions[index]:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a tensor of shape {tuple(t.shape)} saved inside a region of the recompute schedule "
+                    f"is at version {t._version}; expected version {self.versions[index]} instead (the region's "
+                    "forward changes it in place after an op saved it, which whole-batch torch refuses too). Nothing "
+                    "was changed. Change a copy (.clone()) instead")
+            return t
+        return check
+
+
+@contextmanager
+def _top_hooks(pack: Callable[..., Any] | None = None, unpack: Callable[..., Any] | None = None) -> Iterator[None]:
+    """The thread's top saved-tensor hooks (a region's) wrapped for the block: `pack(hook)`, `unpack(hook)`."""
+    hooks = torch._C._autograd
+    top_pack, top_unpack = hooks._top_saved_tensors_default_hooks(False)
+    hooks._pop_saved_tensors_default_hooks()
+    hooks._push_saved_tensors_default_hooks(top_pack if pack is None else pack(top_pack),
+                                            top_unpack if unpack is None else unpack(top_unpack))
+    try:
+        yield
+    finally:
+        hooks._pop_saved_tensors_default_hooks()
+        hooks._push_saved_tensors_default_hooks(top_pack, top_unpack)
 
 
 def _module_forward(own: Own) -> Callable[..., Any]:
