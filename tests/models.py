@@ -306,3 +306,16 @@ def affine_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of 8 for `affine_net`, the same every call."""
     g = torch.Generator().manual_seed(1)
     return torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 10, (8,), generator=g)
+
+
+class Compiled(nn.Module):
+    """`body` and torch.compile's wrapper of it (a module with no forward of its own, whose child is `body`); the
+    forward calls the wrapper: `body` runs in a frame torch.compile evaluates, and the module tree reaches it twice."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.compiled = torch.compile(body, backend="eager")
+
+    def forward(self, x):
+        return self.compiled(x)

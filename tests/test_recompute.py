@@ -17,7 +17,7 @@ from accumnorm._engine import kept
 from accumnorm._engine import regions as regions_module
 from accumnorm._engine.regions import Run, choose_regions
 from helpers import SavedBytes, assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
-from models import data
+from models import Compiled, data
 
 
 class Block(nn.Module):
@@ -357,24 +357,11 @@ def test_a_stack_of_single_layers_is_checkpointed_in_runs_of_its_children_exactl
     compare(ref, model, 1e-9)
 
 
-class Reached(nn.Module):
-    """A stack reached by two paths: as itself, and inside torch.compile's wrapper (a module with no forward of its
-    own, whose child is the stack), which the forward calls."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stack = stack()
-        self.compiled = torch.compile(self.stack, backend="eager")
-
-    def forward(self, x):
-        return self.compiled(x)
-
-
 @pytest.mark.slow
 def test_a_sequential_reached_by_two_paths_is_cut_into_each_run_once():
     """A module reached twice in the walk (here through torch.compile's wrapper) gives its runs once: a run given
     twice ran its children twice over, into a shape error."""
-    model, batch = Reached(), data((1, 16, 16), 8, torch.float64)
+    model, batch = Compiled(stack()), data((1, 16, 16), 8, torch.float64)
     runs = [(r.start, r.stop) for r in choose_regions(model) if isinstance(r, Run)]
     assert runs and len(runs) == len(set(runs)), runs
     ref = copy.deepcopy(model)

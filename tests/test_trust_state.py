@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import accumnorm
 from helpers import assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
-from models import data
+from models import Compiled, data
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -202,25 +202,13 @@ def test_an_input_with_a_graph_kept_across_a_batch_norm_call_is_exact_or_refused
         assert outcome == "exact"
 
 
-class Compiled(nn.Module):
-    """A submodule with BatchNorm under torch.compile: its forward runs in a frame torch.compile evaluates."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = net()
-        self.compiled = torch.compile(self.body, backend="eager")
-
-    def forward(self, x):
-        return self.compiled(x)
-
-
 @pytest.mark.slow
 def test_a_compiled_forward_is_exact_and_leaves_no_compile_callback_on_the_thread(schedule_any):
     """A micro-batch paused at a BatchNorm call inside a compiled forward: torch.compile's per-thread frame callback
     is that micro-batch's, so the step's own code and the caller's code after it run uncompiled. A graph compiled
     with the BatchNorm call in it (from the second step on) is a call the step cannot see: refused."""
     torch._dynamo.reset()
-    model = Compiled()
+    model = Compiled(net())
     batch = data((1, 6, 6), 8, torch.float64)
     ref = copy.deepcopy(model)
     outcomes = []
