@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import types
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -96,13 +97,15 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
             filled[i] = t
         a, kw = tree_unflatten(filled, spec)
         if given[0] is not None:  # a recomputation
-            with _top_hooks(pack=saved.noting):
-                return forward(*a, **kw)
+            try:
+                with _top_hooks(pack=saved.noting):
+                    return forward(*a, **kw)
+            finally:  # also at torch's early stop, an exception once every tensor is saved again
+                saved.check()
         given[0] = (a, kw)
         frame = region_frames(saved_tensor_hooks())[-1]
         own(frame, region)
-        with _top_hooks(pack=saved.numbering, unpack=saved.checking):
-            out = forward(*a, **kw)
+        out = forward(*a, **kw)
         record_saved(region, _saved_bytes(frame, region, inputs[0].shape[0] if inputs and inputs[0].dim() else 1))
         return out
 
@@ -117,55 +120,44 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
 
 
 class _SavedVersions:
-    """Autograd's check that a tensor saved for the backward was not changed in place since, for a region's saved
-    tensors. A checkpointed region saves placeholders, and its recomputation saves the tensors again, in the same
-    order, with no check: a forward that changes a saved tensor in place (which autograd refuses) does so again in
-    the recomputation, and the backward would read the changed tensor. So the forward numbers its placeholders, the
-    recomputation notes the version of each tensor it saves by that number, and the forward's unpack compares."""
+    """Autograd's check that a tensor saved for the backward was not changed in place since, for the tensors a
+    region's recomputation saves. A checkpointed region saves placeholders, and its recomputation saves the tensors
+    again, with no check: a forward that changes a saved tensor in place (which autograd refuses) does so again in
+    the recomputation, and the backward would read the changed tensor. So the recomputation notes each tensor it
+    saves with its version, and refuses at its end (or at torch's early stop) if one has changed since."""
 
     def __init__(self) -> None:
-        self.saved = 0  # placeholders the forward made
-        self.versions: list[int] = []  # the recomputation's saved tensors' versions, in the order it saved them
-
-    def numbering(self, pack: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
-        @functools.wraps(pack)  # still the region's hook to whoever looks (`in_region`, `region_frames`)
-        def number(t: Tensor) -> Any:
-            placeholder = pack(t)
-            placeholder.accumnorm_index = self.saved
-            self.saved += 1
-            return placeholder
-        return number
+        self.saved: list[tuple[Tensor, int]] = []  # held by the recomputation anyway, until the backward reads them
 
     def noting(self, pack: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
+        append = self.saved.append
+
         @functools.wraps(pack)  # still the recomputation's hook to whoever looks (`in_recomputation`)
         def note(t: Tensor) -> Any:
-            self.versions.append(t._version)
+            append((t, t._version))
             return pack(t)
         return note
 
-    def checking(self, unpack: Callable[[Any], Tensor]) -> Callable[[Any], Tensor]:
-        def check(placeholder: Any) -> Tensor:
-            t = unpack(placeholder)
-            index = getattr(placeholder, "accumnorm_index", len(self.versions))
-            if index < len(self.versions) and t._version != self.versions[index]:
+    def check(self) -> None:
+        saved = self.saved[:]
+        self.saved.clear()
+        for t, version in saved:
+            if t._version != version:
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: a tensor of shape {tuple(t.shape)} saved inside a region of the recompute schedule "
-                    f"is at version {t._version}; expected version {self.versions[index]} instead (the region's "
-                    "forward changes it in place after an op saved it, which whole-batch torch refuses too). Nothing "
-                    "was changed. Change a copy (.clone()) instead")
-            return t
-        return check
+                    f"is at version {t._version}; expected version {version} instead (the region's forward changes "
+                    "it in place after an op saved it, which whole-batch torch refuses too). Nothing was changed. "
+                    "Change a copy (.clone()) instead")
 
 
 @contextmanager
-def _top_hooks(pack: Callable[..., Any] | None = None, unpack: Callable[..., Any] | None = None) -> Iterator[None]:
-    """The thread's top saved-tensor hooks (a region's) wrapped for the block: `pack(hook)`, `unpack(hook)`."""
+def _top_hooks(pack: Callable[..., Any]) -> Iterator[None]:
+    """The thread's top saved-tensor hooks (a recomputation's) for the block, their pack hook wrapped: `pack(hook)`."""
     hooks = torch._C._autograd
     top_pack, top_unpack = hooks._top_saved_tensors_default_hooks(False)
     hooks._pop_saved_tensors_default_hooks()
-    hooks._push_saved_tensors_default_hooks(top_pack if pack is None else pack(top_pack),
-                                            top_unpack if unpack is None else unpack(top_unpack))
+    hooks._push_saved_tensors_default_hooks(pack(top_pack), top_unpack)
     try:
         yield
     finally:
@@ -265,8 +257,9 @@ _MISSING = object()
 
 
 def _differs(before: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """The first attribute whose value is not the same object in `now` as in `before`, if any."""
-    if len(before) == len(now) and all(now.get(key, _MISSING) is value for key, value in before.items()):
+    """The first attribute whose value is not the same object in `now` as in `before`, if any (a check at every
+    region call: the same keys in the same order, each value the same object, is the quick test, in C)."""
+    if len(before) == len(now) and all(map(operator.is_, before.values(), now.values())) and list(before) == list(now):
         return None
     return next(key for key in before.keys() | now.keys() if before.get(key, _MISSING) is not now.get(key, _MISSING))
 
