@@ -261,7 +261,8 @@ def _differs(before: dict[str, Any], now: dict[str, Any]) -> str | None:
     region call: the same keys in the same order, each value the same object, is the quick test, in C)."""
     if len(before) == len(now) and all(map(operator.is_, before.values(), now.values())) and list(before) == list(now):
         return None
-    return next(key for key in before.keys() | now.keys() if before.get(key, _MISSING) is not now.get(key, _MISSING))
+    return next((key for key in before.keys() | now.keys() if before.get(key, _MISSING) is not now.get(key, _MISSING)),
+                None)  # the same attributes in another order
 
 
 def recompute(step: Step, store: Store | None) -> None:
@@ -272,12 +273,13 @@ def recompute(step: Step, store: Store | None) -> None:
     """
     regions = choose_regions(step.model)
     step.regions.keep_convolutions(step.modules, keep_allowance(regions), len(step.micro_batches))
-    def called(frame: Any, region: Region) -> None:
+
+    def called(frame: Any, region: Region) -> None:  # a region's call in a forward, once `state` is taken
         step.regions.own(frame)
         state.called(region)
 
     with checkpointed(regions, called):
-        state = _State(regions)
+        state = _State(regions)  # with the regions' forwards patched in, as the forwards will find them
 
         def before_backward() -> None:
             step.regions.kept.seal()
