@@ -32,7 +32,7 @@ from ..functional import Moments
 from .crossing import Graphs
 from .threadstate import Modes
 
-__all__ = ["BNCall", "INCall", "NormCalls", "describe"]
+__all__ = ["BNCall", "INCall", "NormCalls", "describe", "describe_layer"]
 
 _BATCH_NORM = {  # the batch-norm functions and their argument order
     F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
@@ -87,10 +87,14 @@ class INCall:
 
 def describe(call: BNCall | INCall, names: dict[nn.Module, str]) -> str:
     """`BatchNorm2d layer1.0.bn1 over 64 channels`, for error messages."""
-    if call.module is None:
-        return f"a F.batch_norm call over {call.input.shape[1]} channels"
-    return f"{type(call.module).__name__} {names.get(call.module, '(outside the model)')} over " \
-           f"{call.input.shape[1]} channels"
+    return describe_layer(call.module, call.input.shape[1], names)
+
+
+def describe_layer(module: nn.Module | None, channels: int, names: dict[nn.Module, str]) -> str:
+    """`describe` of a call of `module` (None: no module's buffers) over `channels` channels."""
+    if module is None:
+        return f"a F.batch_norm call over {channels} channels"
+    return f"{type(module).__name__} {names.get(module, '(outside the model)')} over {channels} channels"
 
 
 class NormCalls(TorchFunctionMode):
@@ -135,7 +139,8 @@ class NormCalls(TorchFunctionMode):
     def batch_norm(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,  # noqa: A002
                    weight: Tensor | None, bias: Tensor | None, momentum: float | None, eps: float) -> Tensor:
         """A batch-statistics call, with this mode off the thread's stack (as in `__torch_function__`): its output."""
-        self._refuse_where_inexact()
+        modes = Modes.current()
+        self._refuse_where_inexact(modes)
         owner = self._owner(running_mean)
         counted = False
         if owner in self.versions:  # a BatchNorm layer's: counted if its forward bumped num_batches_tracked
@@ -144,13 +149,13 @@ class NormCalls(TorchFunctionMode):
             self.versions[owner] = version
             if counted:
                 self.seen[owner] += 1
-        return self.on_batch_norm(BNCall(input, running_mean, running_var, weight, bias, momentum, eps, owner,
-                                         Modes.current(), counted=counted))
+        return self.on_batch_norm(BNCall(input, running_mean, running_var, weight, bias, momentum, eps, owner, modes,
+                                         counted=counted))
 
     def _owner(self, running_mean: Tensor | None) -> nn.Module | None:
         return self.owners.get(id(running_mean)) if running_mean is not None else None
 
-    def _refuse_where_inexact(self) -> None:
+    def _refuse_where_inexact(self, modes: Modes) -> None:
         if torch.is_inference_mode_enabled():
             raise ValueError("bn='exact' met a BatchNorm call with batch statistics under torch.inference_mode, "
                              "which leaves nothing to back-propagate: put the model in eval mode there, or leave "
@@ -158,7 +163,10 @@ class NormCalls(TorchFunctionMode):
         if torch._C._are_functorch_transforms_active():
             raise ValueError("bn='exact' cannot see the whole batch inside a torch.func transform (vmap, grad, ...) "
                              "around a BatchNorm call; use bn='micro' or call the model outside the transform")
-        name = _autograd_function_around(sys._getframe(2), self.stop)  # grad mode is no sign: it may enable grad
+        if modes.fwd_grad:  # torch turns forward-mode AD off for a custom Function's forward: none is running
+            return
+        # Grad mode is no sign (a Function's forward may enable grad): the frames say whose forward this is.
+        name = _autograd_function_around(sys._getframe(2), self.stop)
         if name is not None:
             if name == "CheckpointFunction":
                 raise ValueError(

@@ -40,6 +40,14 @@ Edge = tuple[Any, int]  # an autograd node and one of its outputs, as in `Node.n
 def _edge(t: Tensor) -> Edge | None:
     return None if t.grad_fn is None else (t.grad_fn, t.output_nr)
 
+
+def _leaf_cast(node: Any) -> bool:
+    """Whether `node` casts leaves only (autocast's cached copy of a weight)."""
+    return type(node).__name__ == "ToCopyBackward0" and all(
+        n is None or type(n).__name__ == "AccumulateGrad" for n, _ in node.next_functions)
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+
 # Autograd's nodes of the batch-norm ops that normalize with batch statistics when `training` (saved) is true.
 _BATCH_NORM_NODES = frozenset({
     "NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0", "NativeBatchNormLegitBackward0",
@@ -106,12 +114,7 @@ class Graphs:
         """The micro-batch that made `node`, or None (made before the step, between turns, or a leaf's; or a cast of
         a leaf, which autocast's cache makes once for every micro-batch and which depends on no sample)."""
         i = bisect_right(self.starts, node._sequence_nr()) - 1
-        if i < 0 or self.owners[i] is None:
-            return None
-        if type(node).__name__ == "ToCopyBackward0" and all(
-                n is None or type(n).__name__ == "AccumulateGrad" for n, _ in node.next_functions):
-            return None
-        return self.owners[i]
+        return None if i < 0 or _leaf_cast(node) else self.owners[i]
 
     def check(self, results: Sequence[tuple[int, Any]]) -> None:
         """Walk each micro-batch k's graph from its `result` (its loss, or its outputs): raise on another
@@ -124,11 +127,14 @@ class Graphs:
             self._shared(*shared[0])
 
     def _walk(self, k: int, result: Any, walked: dict[Any, int], shared: list[tuple[int, Any, int | None]]) -> None:
-        pieces, owner = self.pieces, self.owner
-        stack = [_edge(t) for t in tree_leaves(result) if isinstance(t, Tensor) and t.grad_fn is not None]
+        # Every node of every micro-batch's graph passes here once: the loop body is kept to plain lookups.
+        pieces, rows_of, starts, owners, seen = self.pieces, self.rows, self.starts, self.owners, self.seen
+        stack: list[Edge] = [_edge(t) for t in tree_leaves(result) if isinstance(t, Tensor) and t.grad_fn is not None]
         while stack:
             node, output = stack.pop()
-            rows = self.rows.get(node)
+            if node is None or type(node) is _ACCUMULATE_GRAD:  # a leaf's: made by no one
+                continue
+            rows = rows_of.get(node)
             if rows is not None and rows[0].get(output) not in (None, k):  # another micro-batch's rows
                 shared.append((k, node, rows[0][output]))
                 continue
@@ -139,17 +145,17 @@ class Graphs:
                 continue
             first = walked.get(node)
             if first is not None:
-                if first != k and owner(node) not in (None, k):
-                    shared.append((k, node, owner(node)))
+                if first != k and self.owner(node) not in (None, k):
+                    shared.append((k, node, self.owner(node)))
                 continue
             walked[node] = k
-            made_by = owner(node)
-            if made_by is not None and made_by != k:
-                shared.append((k, node, made_by))
+            i = bisect_right(starts, node._sequence_nr()) - 1
+            if i >= 0 and owners[i] not in (None, k) and not _leaf_cast(node):
+                shared.append((k, node, owners[i]))
             if type(node).__name__ in _BATCH_NORM_NODES and getattr(node, "_saved_training", True) \
-                    and node not in self.seen:
+                    and node not in seen:
                 self._unseen(k, node)
-            stack.extend(e for e in node.next_functions if e[0] is not None)
+            stack.extend(node.next_functions)
 
     def _shared(self, k: int, node: Any, j: int | None) -> None:
         rows = self.rows.get(node)

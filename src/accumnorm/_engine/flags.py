@@ -89,9 +89,18 @@ _GETTERS = tuple(get for get, _ in _PAIRS)
 _SETTERS = tuple(set_ for _, set_ in _PAIRS)
 
 
+_last: list[tuple[Any, ...]] = [()]
+
+
 def flags() -> tuple[Any, ...]:
-    """The process-wide flags' values now (module doc)."""
-    return tuple([get() for get in _GETTERS])
+    """The process-wide flags' values now (module doc). Read at every switch between micro-batches, where they
+    rarely change: the same values come as the same tuple object, which later comparisons pass at identity."""
+    now = tuple([get() for get in _GETTERS])
+    last = _last[0]
+    if now == last:
+        return last
+    _last[0] = now
+    return now
 
 
 def set_flags(value: tuple[Any, ...], current: tuple[Any, ...]) -> None:

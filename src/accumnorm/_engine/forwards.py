@@ -57,12 +57,13 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
     """Give the layers among `modules` their step forwards (module doc) until the block ends."""
     changed = []
     for m in modules:
-        if "forward" in vars(m):
+        attributes = vars(m)  # set directly: Module.__setattr__'s checks find nothing to do for a method
+        if "forward" in attributes:
             continue
         if type(m) in _PLAIN_LAYERS:
-            m.forward = types.MethodType(_plain_forward, m)
+            attributes["forward"] = types.MethodType(_plain_forward, m)
         elif type(m) in _BATCH_NORM_LAYERS or isinstance(m, nn.SyncBatchNorm):
-            m.forward = types.MethodType(_batch_norm_forward, m)
+            attributes["forward"] = types.MethodType(_batch_norm_forward, m)
         else:
             continue
         changed.append(m)

@@ -69,7 +69,8 @@ def check_every_call_seen(step: Step) -> None:
     for m in tracked_before:
         by_device.setdefault(m.num_batches_tracked.device, []).append(m)
     for modules in by_device.values():
-        bumps = torch.stack([m.num_batches_tracked - tracked_before[m] for m in modules]).tolist()
+        bumps = (torch.stack([m.num_batches_tracked for m in modules])
+                 - torch.stack([tracked_before[m] for m in modules])).tolist()
         for m, bumped in zip(modules, bumps):
             if bumped != step.seen.get(m, 0):
                 raise ValueError(

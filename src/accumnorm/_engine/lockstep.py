@@ -83,7 +83,7 @@ class _Lockstep:
                 calls = [end if isinstance(end, BNCall) else None for end in ends]
                 if None in calls:
                     step.check_same(calls, index)  # raises: not all at a BatchNorm call
-                outputs, recompute = step.meet(calls, index)
+                outputs, recompute = step.meet(calls, index, self.base.modes)  # each pause left the driver in base
                 # The K rows' node, shared; or one micro-batch's whose input its regions keep, back-propagated once
                 if (len(outputs) > 1 or recompute.keeps_input) and outputs[0].grad_fn is not None:
                     outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(
@@ -95,6 +95,7 @@ class _Lockstep:
             self._abort()
             raise
         finally:
+            step.rng.end_turns()
             self.coroutines = []
         if grads_before is not None:
             step.refuse_grads_changed(grads_before, "each micro-batch's forward once")
@@ -140,10 +141,13 @@ class _Lockstep:
             return self.step.forward(k)
 
     def _resume(self, k: int, value: object) -> Any:
-        """Run micro-batch k's forward until its next BatchNorm call (a BNCall) or its end (its loss or outputs)."""
+        """Run micro-batch k's forward until its next BatchNorm call (a BNCall) or its end (its loss or outputs).
+
+        Its random stream stays in the generators until the next turn's replaces it (`_forwards` ends the last)."""
+        step = self.step
         self.current = k
-        self.step.rng.begin(k)
-        self.step.graphs.begin(k)
+        step.rng.begin(k)
+        step.graphs.begin(k)
         try:
             end = self.coroutines[k].switch(value)
         except BaseException as e:
@@ -151,16 +155,16 @@ class _Lockstep:
                 e.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
             raise
         finally:
-            self.step.graphs.end()
-            self.step.rng.end(k)
+            step.graphs.end()
             self.current = None
-        if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result
-            if hasattr(end, "add_note"):
-                end.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
-            raise end
-        if not isinstance(end, BNCall):  # the forward is over: whatever it left of its state goes
-            self.base.apply(ThreadState.capture())
-        self.step.interrupts.check()
+        if not isinstance(end, BNCall):
+            if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result
+                if hasattr(end, "add_note"):
+                    end.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
+                raise end
+            self.base.apply(ThreadState.capture())  # the forward is over: whatever it left of its state goes
+        if step.interrupts.pending is not None:
+            step.interrupts.check()
         return end
 
     def _batch_norm(self, call: BNCall) -> Tensor:
@@ -177,8 +181,8 @@ class _Lockstep:
             own.apply(ThreadState.capture())
             raise
         own.apply(self.base)
-        # In a checkpointed region, the region's recomputation gives the same output again.
-        self.step.regions.enter_forward_call(recompute, own.saved_tensor_hooks)
+        if own.saved_tensor_hooks:  # in a checkpointed region, the region's recomputation gives the output again
+            self.step.regions.enter_forward_call(recompute, own.saved_tensor_hooks)
         return y
 
     def _instance_norm(self, call: INCall) -> Tensor:

@@ -7,9 +7,11 @@ shuffle. So every step takes one 64-bit draw from the caller's CPU generator, wh
 schedule, derives one seed per micro-batch from it, and leaves the caller's generators (CPU and CUDA)
 as they were after that draw.
 
-torch's default generators are process-wide, and other threads draw from them too: a micro-batch's stream
-is in them only for its turns (`begin` to `end`), and the process's own stream the rest of the time, so
-a draw of another thread between turns continues the process's stream. (The swaps take no lock another
+torch's default generators are process-wide, and other threads draw from them too: the micro-batches'
+streams are in them only for their turns (`begin` to `end`; a schedule whose turns follow one another, as
+layerwise's do, goes from one micro-batch's to the next's and ends once its forwards are over), and the
+process's own stream the rest of the time, so a draw of another thread outside the turns continues the
+process's stream. (The swaps take no lock another
 thread's draw respects: a draw that lands between a swap's get_state and set_state can come again.)
 During a turn, another thread's draw comes from that micro-batch's stream (as draws of several threads
 interleave in any forward); so do the draws of a step on another thread whose turn overlaps this one's:
@@ -47,7 +49,8 @@ class StepRng:
 
     `start()` draws the seeds; `begin(k)` makes micro-batch k's stream current (from its start, or from where
     `end(k)` left it; `restart=True`: from its start again, for a schedule that replays the micro-batch), setting
-    the process's stream aside; `end(k)` puts the process's stream back; `close()` leaves the caller's stream
+    the process's stream aside, or, from another of the step's turns, setting that one's stream aside; `end(k)`
+    puts the process's stream back (`end_turns()`: whichever turn is open); `close()` leaves the caller's stream
     one draw on, or, if the step failed and no other thread drew meanwhile, as it was before the step.
     """
 
@@ -58,6 +61,7 @@ class StepRng:
         self.after = self.before
         self.seeds: list[int] = []
         self.states: list[list[Tensor | None]] = [[None] * len(self.generators) for _ in range(num_micro_batches)]
+        self.slots = [(i, g, g.device) for i, g in enumerate(self.generators)]
 
     def start(self) -> None:
         """The one draw from the caller's stream (the DataLoader draws its base seed the same way), and the seeds."""
@@ -66,15 +70,16 @@ class StepRng:
         self.seeds = [_splitmix64(base + k) for k in range(len(self.states))]
 
     def begin(self, k: int, restart: bool = False) -> None:
+        states = self.states[k]
         with _SWAPS:
-            for i, (g, device) in enumerate(zip(self.generators, self.devices)):
+            for i, g, device in self.slots:
                 holder = _HOLDERS.get(device)
                 if holder is None:
                     _OUTSIDE[device] = g.get_state()
                 else:  # another turn's stream (of a step on another thread): it goes on from here next time
                     rng, j, gi = holder
                     rng.states[j][gi] = g.get_state()
-                state = None if restart else self.states[k][i]
+                state = None if restart else states[i]
                 if state is None:
                     g.manual_seed(self.seeds[k])
                 else:
@@ -82,11 +87,12 @@ class StepRng:
                 _HOLDERS[device] = (self, k, i)
 
     def end(self, k: int) -> None:
+        states = self.states[k]
         with _SWAPS:
-            for i, (g, device) in enumerate(zip(self.generators, self.devices)):
+            for i, g, device in self.slots:
                 holder = _HOLDERS.get(device)
                 if holder is not None and holder[0] is self and holder[1] == k:
-                    self.states[k][i] = g.get_state()
+                    states[i] = g.get_state()
                     g.set_state(_OUTSIDE.pop(device))
                     del _HOLDERS[device]
 
@@ -94,13 +100,17 @@ class StepRng:
         """Every micro-batch's stream back to its start, for a schedule that starts the step over."""
         self.states = [[None] * len(self.generators) for _ in self.states]
 
-    def close(self, failed: bool) -> None:
-        """End the step's streams: a turn still open (a schedule's generator of turns that an error left suspended,
-        whose `finally` runs only when it is collected) ends now; on failure, the caller's stream as before."""
+    def end_turns(self) -> None:
+        """End whichever of this step's turns is open: the process's stream back in the generators."""
         for device in self.devices:
             holder = _HOLDERS.get(device)
             if holder is not None and holder[0] is self:
                 self.end(holder[1])
+
+    def close(self, failed: bool) -> None:
+        """End the step's streams: a turn still open (a schedule's generator of turns that an error left suspended,
+        whose `finally` runs only when it is collected) ends now; on failure, the caller's stream as before."""
+        self.end_turns()
         if not failed:
             return
         for g, before, after in zip(self.generators, self.before, self.after):

@@ -25,13 +25,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._dist import Collectives
 from ..functional import Moments, combine_moments, moments, update_running_stats_
-from .calls import BNCall, INCall, NormCalls, describe
+from .calls import BNCall, INCall, NormCalls, describe, describe_layer
 from .checkpoint import Regions
 from .crossing import Graphs
 from .interrupts import SigintDeferred
 from .objective import BatchLoss, MicroBatchLoss
 from .rng import StepRng
 from .sameness import difference, identical
+from .threadstate import Modes
 from .whole import Recompute, normalize_whole
 
 __all__ = ["Step"]
@@ -114,14 +115,15 @@ class Step:
         return self.collectives.sum_(losses @ weights)
 
     # ---------------------------------------------------------------- the round protocol
-    def meet(self, calls: Sequence[BNCall], index: int) -> tuple[list[Tensor], Recompute]:
-        """The K micro-batches' pieces of BatchNorm call `index`, made one call of the whole batch (`whole`): each
-        piece's rows of its output, and how to give a piece's output again from its input (for a checkpointed
-        region's recomputation: the whole batch's statistics, no running-statistics update, nothing saved)."""
+    def meet(self, calls: Sequence[BNCall], index: int, modes: Modes) -> tuple[list[Tensor], Recompute]:
+        """The K micro-batches' pieces of BatchNorm call `index`, made one call of the whole batch (`whole`) in
+        their modes (`modes`: the caller's now): each piece's rows of its output, and how to give a piece's output
+        again from its input (for a checkpointed region's recomputation: the whole batch's statistics, no
+        running-statistics update, nothing saved)."""
         self.check_same(calls, index)
         self.check_count(sum(c.input.shape[0] for c in calls), calls[0].input.shape)
         first = calls[0]
-        with first.modes.entered():
+        with first.modes.entered(modes):
             if self.collectives.group is None:
                 return normalize_whole(calls, self.count_call(first))
             return normalize_whole(calls, None, lambda x: self.record(first, self.joint_moments([moments(x)])),
@@ -151,16 +153,17 @@ class Step:
         a micro-batch's forward runs (`running()`: that micro-batch, or None): that backward would need every
         micro-batch's gradient at the call's output, and has only the one micro-batch's; or (`alone`: the only
         micro-batch) the call keeps its input in checkpointed regions, for one backward: the step's. (It holds the
-        call's description, not the call, whose input the graph need not keep.)"""
-        what = self.describe(call)
-        why = ("That call keeps its input in checkpointed regions, where the step's one backward takes it back: "
-               "there is no second backward through it" if alone else
-               "That call's backward is the whole batch's, and needs every micro-batch's gradient at its output, "
-               "which no micro-batch has alone: there is no whole-batch meaning to give it")
+        call's layer and channels, not the call, whose input the graph need not keep.)"""
+        layer, channels = call.module, call.input.shape[1]
 
         def refuse(grad_outputs: Any) -> None:
             k = running()
             if k is not None:
+                what = describe_layer(layer, channels, self.names)
+                why = ("That call keeps its input in checkpointed regions, where the step's one backward takes it "
+                       "back: there is no second backward through it" if alone else
+                       "That call's backward is the whole batch's, and needs every micro-batch's gradient at its "
+                       "output, which no micro-batch has alone: there is no whole-batch meaning to give it")
                 raise ValueError(
                     f"bn='exact': micro-batch {k} ran a backward (a .backward() or torch.autograd.grad in your "
                     f"function) through BatchNorm call {index} ({what}) while the micro-batches' "
@@ -249,9 +252,12 @@ class Step:
             total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
             n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
             update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
-        with torch.no_grad():
-            for m, before in self.tracked_before.items():
-                m.num_batches_tracked.copy_(before + self.calls_so_far.get(m, 0))
+        if self.tracked_before:  # one foreach op over every layer's counter, not two ops per layer
+            with torch.no_grad():
+                layers = list(self.tracked_before)
+                torch._foreach_copy_([m.num_batches_tracked for m in layers],
+                                     torch._foreach_add([self.tracked_before[m] for m in layers],
+                                                        [self.calls_so_far.get(m, 0) for m in layers]))
 
     def describe(self, call: BNCall | INCall) -> str:
         return describe(call, self.names)

@@ -71,9 +71,9 @@ class Modes(NamedTuple):
         if self.flags != current.flags:
             set_flags(self.flags, current.flags)
 
-    def entered(self) -> AbstractContextManager[None]:
-        """Run the block in these modes, then go back to the ones before."""
-        before = Modes.current()
+    def entered(self, current: Modes | None = None) -> AbstractContextManager[None]:
+        """Run the block in these modes, then go back to the ones before (`current`, when the caller knows them)."""
+        before = Modes.current() if current is None else current
         return _SAME if before == self else _modes_entered(self, before)
 
 
