@@ -163,9 +163,11 @@ class NormCalls(TorchFunctionMode):
         if torch._C._are_functorch_transforms_active():
             raise ValueError("bn='exact' cannot see the whole batch inside a torch.func transform (vmap, grad, ...) "
                              "around a BatchNorm call; use bn='micro' or call the model outside the transform")
-        if modes.fwd_grad:  # torch turns forward-mode AD off for a custom Function's forward: none is running
+        # torch turns grad and forward-mode AD off for a custom Function's forward, which may turn grad back on:
+        # with both on, none is running (unless it also turned forward-mode AD back on, through torch's private
+        # `_set_fwd_grad_enabled`); else the frames say whose forward this is.
+        if modes.grad and modes.fwd_grad:
             return
-        # Grad mode is no sign (a Function's forward may enable grad): the frames say whose forward this is.
         name = _autograd_function_around(sys._getframe(2), self.stop)
         if name is not None:
             if name == "CheckpointFunction":

@@ -252,9 +252,11 @@ class Step:
             total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
             n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
             update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
-        if self.tracked_before:  # one foreach op over every layer's counter, not two ops per layer
-            with torch.no_grad():
-                layers = list(self.tracked_before)
+        by_device: dict[torch.device, list[nn.Module]] = {}  # one foreach op per device, not two ops per layer
+        for m in self.tracked_before:
+            by_device.setdefault(m.num_batches_tracked.device, []).append(m)
+        with torch.no_grad():
+            for layers in by_device.values():
                 torch._foreach_copy_([m.num_batches_tracked for m in layers],
                                      torch._foreach_add([self.tracked_before[m] for m in layers],
                                                         [self.calls_so_far.get(m, 0) for m in layers]))
