@@ -204,6 +204,34 @@ def test_a_draw_between_a_micro_batchs_turns_is_not_drawn_again():
     assert values.unique().numel() == values.numel()
 
 
+def test_turns_that_follow_one_another_keep_each_stream_and_end_with_the_process_stream():
+    """Layerwise's turns go from one micro-batch's stream straight to the next's: each stream goes on where it was
+    left, as with an end between turns, and once the turns end the process's stream goes on where it was."""
+    from accumnorm._engine.rng import StepRng
+
+    def draws(follow_on: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(0)
+        rng = StepRng(2, [])
+        rng.start()
+        got = []
+        for k in (0, 1, 0, 1):
+            rng.begin(k)
+            got.append(torch.rand(4, dtype=torch.float64))
+            if not follow_on:
+                rng.end(k)
+        rng.end_turns()
+        after = torch.rand(4, dtype=torch.float64)
+        rng.close(failed=False)
+        return got, after
+
+    (chained, after_chained), (separate, after_separate) = draws(True), draws(False)
+    for a, b in zip(chained, separate):
+        assert torch.equal(a, b)
+    assert torch.equal(after_chained, after_separate)
+    values = torch.cat([*chained, after_chained])
+    assert values.unique().numel() == values.numel()
+
+
 def test_a_step_inside_another_is_refused_saying_steps_cannot_be_nested(schedule):
     model, inner = _tiny(), _tiny()
     batch = data((6,), 8, torch.float64)

@@ -46,7 +46,8 @@ def _leaf_cast(node: Any) -> bool:
     return type(node).__name__ == "ToCopyBackward0" and all(
         n is None or type(n).__name__ == "AccumulateGrad" for n, _ in node.next_functions)
 
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # a leaf's node
 
 # Autograd's nodes of the batch-norm ops that normalize with batch statistics when `training` (saved) is true.
 _BATCH_NORM_NODES = frozenset({

@@ -11,8 +11,8 @@ torch's default generators are process-wide, and other threads draw from them to
 streams are in them only for their turns (`begin` to `end`; a schedule whose turns follow one another, as
 layerwise's do, goes from one micro-batch's to the next's and ends once its forwards are over), and the
 process's own stream the rest of the time, so a draw of another thread outside the turns continues the
-process's stream. (The swaps take no lock another
-thread's draw respects: a draw that lands between a swap's get_state and set_state can come again.)
+process's stream. (The swaps take no lock another thread's draw respects: a draw that lands between a
+swap's get_state and set_state can come again.)
 During a turn, another thread's draw comes from that micro-batch's stream (as draws of several threads
 interleave in any forward); so do the draws of a step on another thread whose turn overlaps this one's:
 the swaps are bookkept per generator (`_HOLDERS`: which stream each holds now), so that whatever the
