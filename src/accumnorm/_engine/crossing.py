@@ -115,7 +115,9 @@ class Graphs:
         """The micro-batch that made `node`, or None (made before the step, between turns, or a leaf's; or a cast of
         a leaf, which autocast's cache makes once for every micro-batch and which depends on no sample)."""
         i = bisect_right(self.starts, node._sequence_nr()) - 1
-        return None if i < 0 or _leaf_cast(node) else self.owners[i]
+        if i < 0 or self.owners[i] is None or _leaf_cast(node):
+            return None
+        return self.owners[i]
 
     def check(self, results: Sequence[tuple[int, Any]]) -> None:
         """Walk each micro-batch k's graph from its `result` (its loss, or its outputs): raise on another
@@ -128,8 +130,7 @@ class Graphs:
             self._shared(*shared[0])
 
     def _walk(self, k: int, result: Any, walked: dict[Any, int], shared: list[tuple[int, Any, int | None]]) -> None:
-        # Every node of every micro-batch's graph passes here once: the loop body is kept to plain lookups.
-        pieces, rows_of, starts, owners, seen = self.pieces, self.rows, self.starts, self.owners, self.seen
+        pieces, rows_of, seen, owner = self.pieces, self.rows, self.seen, self.owner
         stack: list[Edge] = [_edge(t) for t in tree_leaves(result) if isinstance(t, Tensor) and t.grad_fn is not None]
         while stack:
             node, output = stack.pop()
@@ -144,15 +145,15 @@ class Graphs:
                 if piece[k] is not None:
                     stack.append(piece[k])
                 continue
-            first = walked.get(node)
+            first = walked.get(node)  # the micro-batch whose walk reached it first
+            if first == k:
+                continue
+            made_by = owner(node)
+            if made_by is not None and made_by != k:
+                shared.append((k, node, made_by))
             if first is not None:
-                if first != k and self.owner(node) not in (None, k):
-                    shared.append((k, node, self.owner(node)))
                 continue
             walked[node] = k
-            i = bisect_right(starts, node._sequence_nr()) - 1
-            if i >= 0 and owners[i] not in (None, k) and not _leaf_cast(node):
-                shared.append((k, node, owners[i]))
             if type(node).__name__ in _BATCH_NORM_NODES and getattr(node, "_saved_training", True) \
                     and node not in seen:
                 self._unseen(k, node)

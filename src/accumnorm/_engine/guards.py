@@ -65,10 +65,7 @@ def check_every_call_seen(step: Step) -> None:
     normalized with one micro-batch's statistics: the step is refused rather than silently wrong.
     """
     tracked_before = step.tracked_before
-    by_device: dict[torch.device, list[_BatchNorm]] = {}
-    for m in tracked_before:
-        by_device.setdefault(m.num_batches_tracked.device, []).append(m)
-    for modules in by_device.values():
+    for modules in step.counted_layers_by_device():
         bumps = (torch.stack([m.num_batches_tracked for m in modules])
                  - torch.stack([tracked_before[m] for m in modules])).tolist()
         for m, bumped in zip(modules, bumps):

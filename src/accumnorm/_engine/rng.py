@@ -56,12 +56,11 @@ class StepRng:
 
     def __init__(self, num_micro_batches: int, cuda_devices: list[int]) -> None:
         self.generators = [torch.default_generator] + [torch.cuda.default_generators[d] for d in cuda_devices]
-        self.devices = [g.device for g in self.generators]
         self.before = [g.get_state() for g in self.generators]
         self.after = self.before
         self.seeds: list[int] = []
         self.states: list[list[Tensor | None]] = [[None] * len(self.generators) for _ in range(num_micro_batches)]
-        self.slots = [(i, g, g.device) for i, g in enumerate(self.generators)]
+        self.slots = [(i, g, g.device) for i, g in enumerate(self.generators)]  # each generator's index and device
 
     def start(self) -> None:
         """The one draw from the caller's stream (the DataLoader draws its base seed the same way), and the seeds."""
@@ -102,7 +101,7 @@ class StepRng:
 
     def end_turns(self) -> None:
         """End whichever of this step's turns is open: the process's stream back in the generators."""
-        for device in self.devices:
+        for _, _, device in self.slots:
             holder = _HOLDERS.get(device)
             if holder is not None and holder[0] is self:
                 self.end(holder[1])

@@ -252,14 +252,19 @@ class Step:
             total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
             n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
             update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
-        by_device: dict[torch.device, list[nn.Module]] = {}  # one foreach op per device, not two ops per layer
-        for m in self.tracked_before:
-            by_device.setdefault(m.num_batches_tracked.device, []).append(m)
         with torch.no_grad():
-            for layers in by_device.values():
+            for layers in self.counted_layers_by_device():  # one foreach op per device, not two ops per layer
                 torch._foreach_copy_([m.num_batches_tracked for m in layers],
                                      torch._foreach_add([self.tracked_before[m] for m in layers],
                                                         [self.calls_so_far.get(m, 0) for m in layers]))
+
+    def counted_layers_by_device(self) -> list[list[_BatchNorm]]:
+        """The BatchNorm layers whose num_batches_tracked the step counts, grouped by the counter's device (for ops
+        over all of a device's counters at once)."""
+        by_device: dict[torch.device, list[_BatchNorm]] = {}
+        for m in self.tracked_before:
+            by_device.setdefault(m.num_batches_tracked.device, []).append(m)
+        return list(by_device.values())
 
     def describe(self, call: BNCall | INCall) -> str:
         return describe(call, self.names)

@@ -71,10 +71,9 @@ class Modes(NamedTuple):
         if self.flags != current.flags:
             set_flags(self.flags, current.flags)
 
-    def entered(self, current: Modes | None = None) -> AbstractContextManager[None]:
-        """Run the block in these modes, then go back to the ones before (`current`, when the caller knows them)."""
-        before = Modes.current() if current is None else current
-        return _SAME if before == self else _modes_entered(self, before)
+    def entered(self, current: Modes) -> AbstractContextManager[None]:
+        """Run the block in these modes, then go back to `current`, the modes the thread is in now."""
+        return _SAME if current == self else _modes_entered(self, current)
 
 
 _SAME = nullcontext()  # a block already in the modes it wants: a check per BatchNorm call, so no generator
