@@ -2,15 +2,19 @@
 
 A method is `step(model, batch, micro, case)`: it accumulates into `.grad` the gradient of `case`'s loss over
 `batch`, `micro` samples at a time. Plain accumulation is the usual loop; the others are `accumnorm.backward`'s
-exact schedules, each one that this accumnorm accepts (`exact_schedules`: asked, not assumed), and, beside
-recompute, plain accumulation with recompute's regions checkpointed (`checkpointed_step`).
+exact schedules, each one that this accumnorm accepts (`exact_schedules`: asked, not assumed), and two floors:
+beside layerwise, its lockstep with nothing else (`lockstep_step`); beside recompute, plain accumulation with
+recompute's regions checkpointed (`checkpointed_step`).
 """
 from __future__ import annotations
 
 import copy
 import sys
+import types
 from collections.abc import Callable
+from typing import Any
 
+import greenlet
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -62,6 +66,72 @@ def checkpointed_step(model: nn.Module, batch: Batch, micro: int, case: Case) ->
         plain_step(model, batch, micro, case)
 
 
+class NoFloor(ValueError):
+    """A model a floor cannot run (bench_backward.py shows "n/a" for it)."""
+
+
+class _Pause:
+    """A micro-batch's forward, paused at a BatchNorm layer's call with its piece of the input."""
+
+    def __init__(self, layer: nn.Module, piece: torch.Tensor) -> None:
+        self.layer, self.input = layer, piece
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+
+def lockstep_step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
+    """The layerwise schedule's lockstep and nothing else: the floor under its time.
+
+    Each micro-batch's forward runs as a greenlet on this thread and pauses at every call of one of torch's
+    BatchNorm layers; once all have paused there, the layer's own forward normalizes their pieces concatenated,
+    and each goes on with its rows. Then one backward over the K losses (or the whole batch's loss). The
+    gradient is the whole batch's, as layerwise's is, without any of accumnorm's checks, state swaps, random
+    streams or transaction. Only torch's own BatchNorm layers are met, outside checkpointed regions (whose
+    recomputation in the backward is made exact by accumnorm's machinery alone): any other model is refused
+    with `NoFloor`.
+    """
+    driver = greenlet.getcurrent()
+
+    def pause(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        # A checkpointed region's saved-tensor hooks are the thread's: the interleaved forwards would share them.
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            raise NoFloor("the lockstep floor meets no BatchNorm call inside a checkpointed region")
+        return driver.switch(_Pause(layer, x))
+
+    layers = [m for m in model.modules() if type(m) in _BATCH_NORMS and m.training]
+    if len(layers) != sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise NoFloor("the lockstep floor meets torch's BatchNorm1d/2d/3d layers in training mode only")
+    for m in layers:
+        vars(m)["forward"] = types.MethodType(pause, m)
+    parts = split(batch, micro)
+    forward = case.loss if case.batch_loss is None else case.forward
+    try:
+        forwards = [greenlet.greenlet(lambda part: forward(model, part)) for _ in parts]
+        ends = [g.switch(part) for g, part in zip(forwards, parts)]
+        while any(isinstance(end, _Pause) for end in ends):
+            if not all(isinstance(end, _Pause) and end.layer is ends[0].layer for end in ends):
+                raise RuntimeError("the micro-batches' forwards did not meet at the same BatchNorm call")
+            layer = ends[0].layer
+            whole = type(layer).forward(layer, torch.cat([end.input for end in ends]))
+            rows = whole.unsafe_split_with_sizes([len(end.input) for end in ends])  # ReLU(inplace=True) next
+            ends = [g.switch(y) for g, y in zip(forwards, rows)]
+    finally:
+        for m in layers:
+            vars(m).pop("forward", None)
+    if case.batch_loss is None:
+        torch.autograd.backward([loss * samples(part) / samples(batch) for loss, part in zip(ends, parts)])
+    else:
+        case.batch_loss(_concatenated(ends), None).backward()
+
+
+def _concatenated(outputs: list[Any]) -> Any:
+    """The micro-batches' outputs, a tensor or a tuple of them each, concatenated along dim 0."""
+    if isinstance(outputs[0], torch.Tensor):
+        return torch.cat(outputs)
+    return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs))
+
+
 def schedule_step(schedule: str) -> Method:
     def step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
         if case.batch_loss is None:
@@ -89,14 +159,17 @@ def exact_schedules() -> list[str]:
     return [s for s in SCHEDULES if accepts(s)]
 
 
+_FLOORS = {"layerwise": "lockstep", "recompute": "checkpointed"}  # a schedule's floor, timed after it
+
+
 def timed_methods(schedules: list[str]) -> list[str]:
-    """The methods timed, in the table's order: plain, the schedules, and after recompute its checkpointed floor."""
-    return ["plain", *(m for s in schedules for m in ((s, "checkpointed") if s == "recompute" else (s,)))]
+    """The methods timed, in the table's order: plain, and each schedule followed by its floor where it has one."""
+    return ["plain", *(m for s in schedules for m in ((s, _FLOORS[s]) if s in _FLOORS else (s,)))]
 
 
 def methods(schedules: list[str]) -> dict[str, Method]:
-    """Every method by name: plain, the whole batch, the exact schedules given, and the checkpointed floor."""
-    return {"plain": plain_step, "whole": whole_step, "checkpointed": checkpointed_step,
+    """Every method by name: plain, the whole batch, the exact schedules given, and the floors."""
+    return {"plain": plain_step, "whole": whole_step, "lockstep": lockstep_step, "checkpointed": checkpointed_step,
             **{s: schedule_step(s) for s in schedules}}
 
 

@@ -6,6 +6,9 @@ optimizer step's gradient is made each of these ways:
   plain      the models' own torch BatchNorm, the usual loop: loss * b / B, backward, K times
   whole      the whole batch at once, in torch (memory only: what accumulation stands in for)
   layerwise  accumnorm.backward(schedule="layerwise"): micro-batches in lockstep, one whole-batch BN per BN call
+  lockstep   beside layerwise, time only: the same lockstep of torch's BatchNorm layers and nothing else of
+             accumnorm's (no checks, state swaps, random streams or transaction): the floor under layerwise's time;
+             "n/a" for a model it cannot run (other BatchNorm classes, BatchNorm in checkpointed regions)
   recompute  accumnorm.backward(schedule="recompute"), shown wherever accumnorm.backward accepts that name
   checkpointed  beside recompute, time only: plain accumulation with the regions recompute would choose each in
              torch's checkpoint(use_reentrant=False), nothing else of accumnorm's: the floor under recompute's time
@@ -65,7 +68,7 @@ import torch
 import torch.nn as nn
 from _memory import Memory, keep_freed_memory, measure_in_child
 from _models import BATCH, MODELS
-from _steps import SCHEDULES, bn_calls, exact_schedules, methods, prepare, timed_methods
+from _steps import SCHEDULES, NoFloor, bn_calls, exact_schedules, methods, prepare, timed_methods
 from _table import Row, Timing, columns, line, summary_columns, table
 
 DEFAULT_MODELS = ("resnet50", "efficientnet_b0", "yolov8n", "monai_unet3d", "smp_unet", "densenet121_ckpt", "study",
@@ -86,20 +89,24 @@ def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.dev
 def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module, args: argparse.Namespace,
                  device: torch.device, label: str) -> dict[str, Timing]:
     """Each method's median time and median ratio to plain's (`steps` starts with plain); a method that raises is
-    "failed" and the others go on. Passes is timed in the first --passes-rounds rounds only."""
+    "failed" ("n/a": a floor this model has none of) and the others go on. Passes is timed in the first
+    --passes-rounds rounds only."""
     models = {m: copy.deepcopy(base) for m in steps}  # same weights; each its own running statistics
     times: dict[str, list[float | None]] = {m: [] for m in steps}
-    failed: set[str] = set()
+    failed: dict[str, str] = {}
 
     def attempt(m: str) -> float | None:
         if m in failed:
             return None
         try:
             return timed(models[m], steps[m], device)
+        except NoFloor as e:
+            failed[m] = "n/a"
+            print(f"note: {label} {m}: {e}", file=sys.stderr, flush=True)
         except Exception as e:  # reported; the other methods go on
-            failed.add(m)
+            failed[m] = "failed"
             print(f"note: {label} {m} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            return None
+        return None
 
     for m in steps:  # warm-up, untimed: first-call costs, the kernels' caches for these shapes
         if m != "passes":  # it runs plain's shapes, warmed up already
@@ -109,7 +116,7 @@ def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module,
         # Every other round in reverse order: a method gains nothing from its place in the round.
         for m in order if r % 2 == 0 else order[::-1]:
             times[m].append(attempt(m) if m != "passes" or r < args.passes_rounds else None)
-    return {m: "failed" if m in failed else _summary(times[m], times["plain"]) for m in steps}
+    return {m: failed[m] if m in failed else _summary(times[m], times["plain"]) for m in steps}
 
 
 def _summary(times: list[float | None], plain: list[float | None]) -> tuple[float, float]:
