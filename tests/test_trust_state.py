@@ -18,7 +18,7 @@ from models import Compiled, data
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REFUSED = (r"micro-batch \d+ used a tensor that micro-batch \d+ made|did not see|cannot make a BatchNorm call inside"
-           r"|training forwards of")
+           r"|training forwards of|holds another tensor as its parameter")
 
 
 def net() -> nn.Sequential:
@@ -198,6 +198,64 @@ def test_an_input_with_a_graph_kept_across_a_batch_norm_call_is_exact_or_refused
         assert rel_err(x_ours.grad, x_ref.grad) < 1e-9
     else:
         assert x_ours.grad is None
+    if schedule_any == "passes":
+        assert outcome == "exact"
+
+
+def _outside(model, prefixes=("3.", "4.", "8.")) -> dict:
+    """Copies of the parameters named with `prefixes`, held outside the model; the first conv's stay the model's."""
+    return {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters() if n.startswith(prefixes)}
+
+
+def _outside_leaves(model):  # the usual functional_call: parameters held outside the model
+    held = _outside(model)
+    return held, lambda m: held
+
+
+def _made_in_the_loss(model):  # each micro-batch makes its own (a reparametrization written by hand)
+    return {}, lambda m: {n: p * 1.0 for n, p in m.named_parameters()}
+
+
+def _head_only(model):  # only the layers after the last BatchNorm, swapped in across the earlier calls
+    held = _outside(model, ("8.",))
+    return held, lambda m: held
+
+
+def _with_a_buffer(model):  # parameters and a BatchNorm's running statistics, as torch.func users pass them
+    held = _outside(model)
+    return held, lambda m: {**held, **dict(m.named_buffers())}
+
+
+SWAPS = {"parameters held outside": _outside_leaves, "parameters made in loss_fn": _made_in_the_loss,
+         "the head's parameters only": _head_only, "parameters and the model's own buffers": _with_a_buffer}
+
+
+@pytest.mark.parametrize("case", sorted(SWAPS))
+def test_parameters_swapped_in_by_functional_call_are_exact_or_refused_and_put_back(schedule_any, case):
+    """torch.func.functional_call swaps tensors into the model's modules for the call and back after it: the
+    interleaved micro-batches' swaps and restores cross at every BatchNorm call, so some ran with the model's own
+    parameters and the model ended with the swapped ones. Exact, or refused with the model's parameters, their
+    gradients and the outside leaves' as they were."""
+    model = net()
+    ref, ours = model, copy.deepcopy(model)
+    ref_held, ref_swap = SWAPS[case](ref)
+    held, swap = SWAPS[case](ours)
+    own = list(ours.parameters())
+    batch = data((1, 6, 6), 8, torch.float64)
+
+    def loss(swapped):
+        return lambda m, b: F.cross_entropy(torch.func.functional_call(m, swapped(m), (b[0],)), b[1])
+
+    for p in ref.parameters():  # the swapped parameters get no gradient: zeros on both sides
+        p.grad = torch.zeros_like(p)
+    expected = whole_batch(ref, batch, loss(ref_swap))
+    outcome = exact_or_refused(ref, ours, batch, schedule_any, expected, loss_fn=loss(swap))
+    assert [p for p in ours.parameters()] == own and all(a is b for a, b in zip(ours.parameters(), own))
+    for name, t in held.items():
+        if outcome == "exact":
+            assert rel_err(t.grad, ref_held[name].grad) < 1e-9, name
+        else:
+            assert t.grad is None, name
     if schedule_any == "passes":
         assert outcome == "exact"
 

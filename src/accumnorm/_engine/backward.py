@@ -236,6 +236,7 @@ def _transaction(model: nn.Module, names: dict[nn.Module, str], micro_batches: l
         loss = step.result()
         collectives.sum_grads_(transaction.params)
         if exact:
+            transaction.refuse_parameters_replaced()
             check_every_call_seen(step)
             step.update_running_stats()
         for m in transaction.modules:

@@ -1,4 +1,4 @@
-"""A step as a transaction: whatever ends it early, the model's gradients and buffers are as they were.
+"""A step as a transaction: whatever ends it early, the model's gradients, parameters and buffers are as they were.
 
 The step writes its gradients to fresh `.grad` tensors, the caller's set aside; buffers (running
 statistics, counters) are copied before it starts. Leaves outside the model that the losses reach (an
@@ -31,6 +31,9 @@ class Transaction:
         self.names = module_names(model) if names is None else names  # every module, once, with its name
         self.modules = list(self.names)  # what the step walks over
         self.all_params = parameters(self.modules)
+        # (module, name, the parameter): a forward may swap in other tensors (torch.func.functional_call), which the
+        # interleaved micro-batches can leave there; the step refuses that and puts the model's own back.
+        self.slots = [(m, name, p) for m in self.modules for name, p in m._parameters.items()]
         self.params = [p for p in self.all_params if p.requires_grad]
         self.grads: list[Tensor | None] = [p.grad for p in self.params]
         self.leaves: list[tuple[Tensor, Tensor | None]] = []  # leaves outside the model, with their .grad before
@@ -78,8 +81,24 @@ class Transaction:
             if old is not None:
                 p.grad = old if p.grad is None else old + p.grad
 
+    def refuse_parameters_replaced(self) -> None:
+        """Raise if a module of the model holds another tensor in a parameter's place than before the step."""
+        for m, name, p in self.slots:
+            if m._parameters.get(name, p) is not p:
+                layer = f"{type(m).__name__} {self.names.get(m) or '(the model)'}"
+                raise ValueError(
+                    f"bn='exact': after the micro-batches' forwards, {layer} holds another tensor as its parameter "
+                    f"{name!r} than before the step. A forward that swaps "
+                    "parameters in and back (torch.func.functional_call, torch.nn.utils.stateless) across a BatchNorm "
+                    "call restores them out of order: the micro-batches' forwards run interleaved, meeting at every "
+                    "BatchNorm call, and some ran with the wrong ones. Nothing was changed. Swap the parameters "
+                    "around the step instead of inside your function, or use schedule='passes', which runs each "
+                    "micro-batch's forward alone")
+
     def rollback(self) -> None:
-        """The gradients and buffers as they were before the step."""
+        """The gradients, parameters and buffers as they were before the step."""
+        for m, name, p in self.slots:
+            m._parameters[name] = p
         for p, old in (*zip(self.params, self.grads), *self.leaves):
             p.grad = old
         self.restore_buffers()
