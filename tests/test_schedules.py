@@ -10,6 +10,7 @@ own float32 error where that is larger (mobilenet_v3_small's running means at ba
 from __future__ import annotations
 
 import copy
+import re
 import threading
 import warnings
 
@@ -140,6 +141,50 @@ def test_layer_called_twice_and_cumulative_average(schedule, momentum):
     model.bn.num_batches_tracked.fill_(3)  # a cumulative average part-way through training
     ours = check(model, data((1, 8, 8), 10, torch.float64), 4, schedule, 1e-9)
     assert int(ours.bn.num_batches_tracked) == 5
+
+
+class WarmupBN(nn.BatchNorm2d):
+    """momentum=None, with a factor of its own: a cumulative average for 10 calls, then 0.1."""
+
+    def forward(self, x):
+        self.num_batches_tracked.add_(1)
+        factor = max(0.1, 1.0 / float(self.num_batches_tracked))
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, factor, self.eps)
+
+
+class SuperBN(nn.BatchNorm2d):
+    """momentum=None through torch's own forward."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.0
+
+
+@pytest.mark.parametrize("layer,tracked,outcome", [(WarmupBN, 20, "refused"), (WarmupBN, 0, "exact"),
+                                                   (SuperBN, 20, "exact")])
+def test_a_subclass_with_momentum_none_and_a_factor_of_its_own_is_refused(schedule_any, layer, tracked, outcome):
+    """The step gives momentum=None the whole batch's 1/num_batches_tracked; a forward that computes another factor
+    (which would differ for the whole batch) is refused with nothing changed; one that agrees is exact. (Passes runs
+    each forward 2L + 1 times, counted each time: a factor of its own that agrees with torch's only on the first
+    calls may be refused there.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), layer(4, momentum=None), nn.Tanh(), nn.Flatten(),
+                          nn.Linear(144, 10)).double()
+    model[1].num_batches_tracked.fill_(tracked)
+    batch = data((1, 8, 8), 10, torch.float64)
+    refusal = r"momentum=None, but its forward moved the running statistics by 0\.1 .*Nothing was changed"
+    if outcome == "exact" and (schedule_any != "passes" or layer is SuperBN):
+        check(model, batch, 2, schedule_any, 1e-9)
+        return
+    ours = copy.deepcopy(model)
+    snap = snapshot(ours)
+    try:
+        accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+    except ValueError as e:
+        assert re.search(refusal, str(e)), e
+        assert_unchanged(ours, snap)
+        return
+    assert outcome == "exact", "not refused"
+    check(model, batch, 2, schedule_any, 1e-9)
 
 
 def test_accumnorm_and_torch_layers_in_one_model(schedule):

@@ -149,6 +149,8 @@ class NormCalls(TorchFunctionMode):
             self.versions[owner] = version
             if counted:
                 self.seen[owner] += 1
+                if owner.momentum is None:
+                    _refuse_own_average(owner, momentum)
         return self.on_batch_norm(BNCall(input, running_mean, running_var, weight, bias, momentum, eps, owner, modes,
                                          counted=counted))
 
@@ -180,6 +182,20 @@ class NormCalls(TorchFunctionMode):
                 f"bn='exact' cannot make a BatchNorm call inside the forward of the custom autograd.Function "
                 f"{name} exact: its backward is its own, and cannot use the whole batch's BatchNorm sums. Call the "
                 "BatchNorm layer outside the Function, or use bn='micro'")
+
+
+def _refuse_own_average(layer: nn.Module, factor: float | None) -> None:
+    """A layer with momentum=None runs a cumulative average: the step gives it the whole batch's, 1 over the calls
+    counted so far, as torch's forward computes it. A forward that computes another factor is refused: the step
+    cannot know what it would compute for the whole batch."""
+    torchs = 1.0 / float(layer.num_batches_tracked)
+    if factor != torchs:
+        raise ValueError(
+            f"bn='exact': {type(layer).__name__} has momentum=None, but its forward moved the running statistics by "
+            f"{factor} where torch's BatchNorm moves them by 1/num_batches_tracked ({torchs}). The step gives a "
+            "momentum=None layer the whole batch's cumulative average and cannot know the factor your forward would "
+            "compute for the whole batch. Nothing was changed. Give the layer a momentum, or compute the factor as "
+            "torch's BatchNorm does")
 
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
