@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import re
 import threading
+import warnings
 
 import pytest
 import torch
@@ -258,6 +259,36 @@ def test_parameters_swapped_in_by_functional_call_are_exact_or_refused_and_put_b
             assert t.grad is None, name
     if schedule_any == "passes":
         assert outcome == "exact"
+
+
+def test_a_loss_fn_that_leaves_the_model_in_eval_is_exact_or_refused_with_the_modes_put_back(schedule_any):
+    """loss_fn ends with model.eval() (a validation pass follows): whole-batch torch ran the forward in train mode
+    and leaves the model in eval. A refused step puts the train/eval modes back with everything else; a schedule
+    that starts the step over (recompute, finding the change before its backward, then layerwise) puts them back
+    first, or its second run would normalize with the running statistics."""
+    model = net()
+    ref, ours = model, copy.deepcopy(model)
+    batch = data((1, 6, 6), 8, torch.float64)
+
+    def loss_fn(m, b):
+        loss = ce_loss(m, b)
+        m.eval()
+        return loss
+
+    expected = whole_batch(ref, batch, loss_fn)
+    snap = snapshot(ours)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # recompute's fallback to layerwise says why
+            loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2, schedule=schedule_any)
+    except ValueError as e:
+        assert "Nothing was changed" in str(e) or "nothing was changed" in str(e), e
+        assert_unchanged(ours, snap)
+        assert all(m.training for m in ours.modules())
+        return
+    assert rel_err(loss, expected) < 1e-10
+    compare(ref, ours, 1e-9)
+    assert not any(m.training for m in ours.modules())  # as the whole batch left it
 
 
 @pytest.mark.slow

@@ -104,9 +104,7 @@ class _Passes:
             # The first time a forward gets this deep: a new call (its input without the graph below, which goes).
             self.calls.append(_Call(dataclasses.replace(bn, input=bn.input.detach())))
         if i >= len(self.calls):
-            raise ValueError(f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, "
-                             f"but micro-batch {self.k} made BatchNorm call {i} ({self.step.describe(bn)}) where "
-                             f"micro-batch 0 made {len(self.calls)}")
+            raise self._not_the_same(self.k, f"BatchNorm call {i} ({self.step.describe(bn)})")
         call = self.calls[i]
         # Each micro-batch's forward is its own call of torch's: only autocast must agree.
         self.step.check_same([call.first, bn], i, micro_batches=(0, self.k), grad_mode=False)
@@ -177,10 +175,18 @@ class _Passes:
         finally:
             self.forwarding = False
         if self.index != len(self.calls):
-            raise ValueError(
-                f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but "
-                f"micro-batch {k} made {self.index} BatchNorm calls where micro-batch 0 made {len(self.calls)}")
+            raise self._not_the_same(k, f"{self.index} BatchNorm calls")
         return loss
+
+    def _not_the_same(self, k: int, made: str) -> ValueError:
+        """The refusal of micro-batch k's forward, which `made` other batch-statistics calls than the first run's."""
+        first = "its forward made the first time" if k == 0 else "micro-batch 0 made"
+        return ValueError(
+            f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order each time its "
+            f"forward runs, but micro-batch {k} made {made} where {first} {len(self.calls)}. The passes schedule runs "
+            "each micro-batch's forward 2L + 1 times: a function that changes the model (model.eval(), a module's "
+            "attribute) changes the runs after it. Nothing was changed. Use schedule='layerwise', which runs each "
+            "forward once")
 
     def _statistics(self) -> None:
         """Passes 1..L: whole-batch statistics, one BN call deeper per pass, until a forward completes."""

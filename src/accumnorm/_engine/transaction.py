@@ -1,4 +1,5 @@
-"""A step as a transaction: whatever ends it early, the model's gradients, parameters and buffers are as they were.
+"""A step as a transaction: whatever ends it early, the model's gradients, parameters, buffers and modes are as
+they were.
 
 The step writes its gradients to fresh `.grad` tensors, the caller's set aside; buffers (running
 statistics, counters) are copied before it starts. Leaves outside the model that the losses reach (an
@@ -34,6 +35,7 @@ class Transaction:
         # (module, name, the parameter): a forward may swap in other tensors (torch.func.functional_call), which the
         # interleaved micro-batches can leave there; the step refuses that and puts the model's own back.
         self.slots = [(m, name, p) for m in self.modules for name, p in m._parameters.items()]
+        self.training = [m.training for m in self.modules]  # a loss_fn may switch modes (model.eval() at its end)
         self.params = [p for p in self.all_params if p.requires_grad]
         self.grads: list[Tensor | None] = [p.grad for p in self.params]
         self.leaves: list[tuple[Tensor, Tensor | None]] = []  # leaves outside the model, with their .grad before
@@ -96,9 +98,11 @@ class Transaction:
                     "micro-batch's forward alone")
 
     def rollback(self) -> None:
-        """The gradients, parameters and buffers as they were before the step."""
+        """The gradients, parameters, buffers and train/eval modes as they were before the step."""
         for m, name, p in self.slots:
             m._parameters[name] = p
+        for m, training in zip(self.modules, self.training):
+            vars(m)["training"] = training
         for p, old in (*zip(self.params, self.grads), *self.leaves):
             p.grad = old
         self.restore_buffers()
