@@ -291,6 +291,56 @@ def test_a_loss_fn_that_leaves_the_model_in_eval_is_exact_or_refused_with_the_mo
     assert not any(m.training for m in ours.modules())  # as the whole batch left it
 
 
+class ReadsRunningStatistics(nn.Module):
+    """A net whose forward reads its first BatchNorm's running statistics after that layer's training call."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.body, self.read = net(), read
+
+    def forward(self, x):
+        h = self.body[0](x)
+        a = self.body[1:3](h)
+        bn = self.body[1]
+        if self.read == "eval-mode call":  # the same layer, normalizing with its running statistics
+            a = a + F.batch_norm(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, False).tanh()
+        elif self.read == "scale by running_var":
+            a = a * bn.running_var.view(1, -1, 1, 1)
+        return self.body[3:](a)
+
+
+def _teacher_pass(m, b):  # mean-teacher style: targets from the same model in eval, after its training forward
+    out = m(b[0])
+    m.eval()
+    with torch.no_grad():
+        target = m(b[0] + 0.1)
+    m.train()
+    return F.cross_entropy(out, b[1]) + F.mse_loss(out, target)
+
+
+def _scaled_by_running_mean(m, b):  # a loss term scaled by a running statistic, read after the forward
+    return F.cross_entropy(m(b[0]) * (1 + m.body[1].running_mean.abs().sum()), b[1])
+
+
+RUNNING_READS = {"eval-mode call": ("eval-mode call", ce_loss),
+                 "scale by running_var": ("scale by running_var", ce_loss),
+                 "teacher pass in eval": ("", _teacher_pass),
+                 "loss scaled by running_mean": ("", _scaled_by_running_mean)}
+
+
+@pytest.mark.parametrize("case", sorted(RUNNING_READS))
+def test_running_statistics_read_after_their_call_are_the_whole_batchs_at_that_point(schedule_any, case):
+    """A forward or loss_fn that reads a BatchNorm's running statistics after its training call finds them as the
+    whole batch's forward left them there (moved once by that call), under every schedule: passes, which moves
+    them once at the step's end, gives each of its forwards the values after each call as it makes it."""
+    read, loss_fn = RUNNING_READS[case]
+    model = ReadsRunningStatistics(read)
+    ref, ours = model, copy.deepcopy(model)
+    batch = data((1, 6, 6), 8, torch.float64)
+    expected = whole_batch(ref, batch, loss_fn)
+    assert exact_or_refused(ref, ours, batch, schedule_any, expected, loss_fn=loss_fn) == "exact"
+
+
 @pytest.mark.slow
 def test_a_compiled_forward_is_exact_and_leaves_no_compile_callback_on_the_thread(schedule_any):
     """A micro-batch paused at a BatchNorm call inside a compiled forward: torch.compile's per-thread frame callback

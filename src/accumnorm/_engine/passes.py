@@ -37,6 +37,7 @@ from torch import Tensor
 from ..functional import Moments, moments
 from .calls import BNCall, INCall
 from .outputs import OutputGrads, without_graph
+from .running import RunningStatistics
 from .step import Step
 from .sums import GradSums, normalize, normalize_with
 from .threadstate import autocast_cache_off
@@ -61,6 +62,7 @@ class _Call:
         self.rows = 0  # and the samples they come from
         self.sums: GradSums | None = None
         self.input: Tensor | None = None  # the BN input of the current micro-batch, for sums/correction passes
+        self.running: tuple[Tensor, Tensor | None] | None = None  # its running statistics once it moved them
 
     @property
     def stats(self) -> Moments:
@@ -80,9 +82,10 @@ class _Passes:
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
         self.grads_before = step.grad_versions()  # the parameters' .grad before the full pass
+        self.running = RunningStatistics()
 
     def run(self) -> None:
-        with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off():
+        with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running:
             self._statistics()
             if self.step.objective.whole:
                 self._output_gradients()
@@ -109,6 +112,7 @@ class _Passes:
         # Each micro-batch's forward is its own call of torch's: only autocast must agree.
         self.step.check_same([call.first, bn], i, micro_batches=(0, self.k), grad_mode=False)
         y = self._normalized(call, i, bn)
+        self.running.moved(call.first, call.running)
         if y.grad_fn is not None:  # a backward through it from inside a forward is refused (`_inner_backward`)
             y.grad_fn.register_prehook(self.step.inner_backward_refusal(bn, i, lambda: self.k if self.forwarding
                                                                            else None))
@@ -158,6 +162,7 @@ class _Passes:
         """Each micro-batch index, with its random numbers from the start and the call counters reset."""
         for k in range(len(self.step.micro_batches)):
             self.k, self.index, self.instance_norms = k, 0, 0
+            self.running.restore()
             self.step.rng.begin(k, restart=True)
             try:
                 yield k
@@ -200,7 +205,8 @@ class _Passes:
             call = self.calls[j]
             self.step.check_count(call.rows, call.first.input.shape)
             call.first.stats = self.step.joint_moments(call.parts)
-            self.step.record(call.first, call.first.stats)
+            factor = self.step.record(call.first, call.first.stats)
+            call.running = self.running.after(call.first, call.first.stats, factor)
             call.parts = []
             call.sums = GradSums(call.stats.mean.shape[0], call.stats.count)
 

@@ -126,7 +126,7 @@ class Step:
         with first.modes.entered(modes):
             if self.collectives.group is None:
                 return normalize_whole(calls, self.count_call(first))
-            return normalize_whole(calls, None, lambda x: self.record(first, self.joint_moments([moments(x)])),
+            return normalize_whole(calls, None, lambda x: self._recorded(first, self.joint_moments([moments(x)])),
                                    self.collectives.sum_)
 
     def check_same(self, calls: Sequence[BNCall | None], index: int, micro_batches: Sequence[int] | None = None,
@@ -200,9 +200,15 @@ class Step:
         """The moments of the whole batch (every micro-batch, every rank) from each micro-batch's."""
         return self.collectives.merge_moments(combine_moments(parts))
 
-    def record(self, call: BNCall, stats: Moments) -> Moments:
-        """Note a BatchNorm call of the whole batch, with its statistics, for the running-statistics update."""
-        self.batch_norms.append((call, stats, self.count_call(call)))
+    def record(self, call: BNCall, stats: Moments) -> float | None:
+        """Note a BatchNorm call of the whole batch, with its statistics, for the running-statistics update; the
+        factor they will move by."""
+        factor = self.count_call(call)
+        self.batch_norms.append((call, stats, factor))
+        return factor
+
+    def _recorded(self, call: BNCall, stats: Moments) -> Moments:
+        self.record(call, stats)
         return stats
 
     def count_call(self, call: BNCall) -> float | None:
