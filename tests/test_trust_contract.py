@@ -421,3 +421,76 @@ def test_a_backward_inside_loss_fn_that_reaches_no_met_call_is_refused(schedule)
     exact_or_refused(net(), inner_backward_above_the_batch_norms, schedule,
                      r"a backward inside your function .* changed the \.grad of the parameter head\.weight during the "
                      r"micro-batches' forwards.*Nothing was changed.*Add that term to the loss")
+
+
+# ---------------------------------------------------------------- a gradient of the parameters in the user's functions
+def head_gradient_penalty(m, b):
+    out = m(b[0])
+    loss = F.cross_entropy(out, b[1])
+    (g,) = torch.autograd.grad(loss, m.head.weight, create_graph=True)
+    return loss + g.pow(2).sum()
+
+
+def head_gradient_as_a_weight(m, b):
+    """GradNorm-like: the size of a gradient, without its graph, weighs the loss."""
+    out = m(b[0])
+    loss = F.cross_entropy(out, b[1])
+    (g,) = torch.autograd.grad(loss, [m.head.weight], retain_graph=True)
+    return loss * (1 + g.norm())
+
+
+PARAMETER_GRADIENTS = {"gradient penalty of the head": head_gradient_penalty,
+                       "the head's gradient as a weight": head_gradient_as_a_weight}
+
+
+@pytest.mark.parametrize("case", PARAMETER_GRADIENTS)
+def test_a_gradient_of_the_parameters_inside_loss_fn_is_refused(schedule_any, case):
+    """torch.autograd.grad with respect to a parameter, in loss_fn: a gradient of one micro-batch's loss is not the
+    whole batch's, so neither is a term made from it. Refused, as a .backward() there that reaches them is, with
+    nothing changed; with one micro-batch (layerwise: its forward runs once, on the whole batch) exact."""
+    loss_fn = PARAMETER_GRADIENTS[case]
+    exact_or_refused(net(), loss_fn, schedule_any, r"torch\.autograd\.grad with respect to the model's parameter "
+                                                   r"head\.weight in your function.*Nothing was changed.*batch_loss_fn")
+    if schedule_any == "layerwise":
+        exact_or_refused(net(), loss_fn, schedule_any, None, micro=8)
+
+
+def head_penalty_of(model: nn.Module) -> Callable:
+    def batch_loss_fn(out, targets):
+        loss = F.cross_entropy(out, targets)
+        (g,) = torch.autograd.grad(loss, model.head.weight, create_graph=True)
+        return loss + g.pow(2).sum()
+    return batch_loss_fn
+
+
+def backward_of_its_own(out, targets):
+    loss = F.cross_entropy(out, targets)
+    loss.backward(retain_graph=True)
+    return loss
+
+
+@pytest.mark.parametrize("norm", ["batch", "group"])
+@pytest.mark.parametrize("case", ["gradient penalty of the head", "a backward of its own"])
+def test_batch_loss_fn_that_differentiates_is_exact_or_refused(schedule_any, case, norm):
+    """batch_loss_fn sees the whole batch's outputs: layerwise runs it on their graph, where a gradient of the
+    parameters, or a backward, is the whole batch's: exact. Passes, and one micro-batch at a time ("auto" without
+    batch statistics), run it on the outputs without their graph, where that gradient would be lost or wrong:
+    refused, with nothing changed."""
+    model = net() if norm == "batch" else GroupNormNet().to(DT)
+    (x, y), ref, ours = batch(), copy.deepcopy(model), copy.deepcopy(model)
+    loss_of = (lambda m: head_penalty_of(m)) if case.startswith("gradient") else (lambda m: backward_of_its_own)
+    expected = loss_of(ref)(ref(x), y)
+    expected.backward()
+    snap = snapshot(ours)
+    try:
+        loss = accumnorm.backward(ours, (x,), micro_batch_size=2, forward_fn=one_view_each,
+                                  batch_loss_fn=loss_of(ours), targets=y, schedule=schedule_any)
+    except ValueError as e:
+        assert schedule_any != "layerwise", e
+        assert re.search(r"Nothing was changed", str(e)) and re.search(
+            r"torch\.autograd\.grad with respect to the model's parameter head\.weight|a backward inside "
+            r"batch_loss_fn .* reached the outputs|a second backward through a BatchNorm call", str(e)), e
+        assert_unchanged(ours, snap)
+        return
+    assert rel_err(loss, expected) <= 1e-9
+    compare(ref, ours, 1e-9)

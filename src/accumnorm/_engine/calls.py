@@ -43,6 +43,7 @@ _INSTANCE_NORM = {
     torch.instance_norm: ("input", "weight", "bias", "running_mean", "running_var", "use_input_stats", "momentum",
                           "eps"),
 }
+_GRAD = torch.autograd.grad
 _DEFAULTS = {"running_mean": None, "running_var": None, "weight": None, "bias": None, "training": False,
              "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
 
@@ -109,10 +110,13 @@ class NormCalls(TorchFunctionMode):
 
     def __init__(self, on_batch_norm: Callable[[BNCall], Tensor], on_instance_norm: Callable[[INCall], Tensor],
                  owners: dict[int, nn.Module], stop: CodeType, seen: Counter[nn.Module],
-                 versions: dict[nn.Module, int], graphs: Graphs) -> None:
+                 versions: dict[nn.Module, int], graphs: Graphs, gradients: bool = False) -> None:
         super().__init__()
         self.on_batch_norm, self.on_instance_norm = on_batch_norm, on_instance_norm
         self.owners, self.stop, self.seen, self.versions, self.graphs = owners, stop, seen, versions, graphs
+        # Whether torch.autograd.grad with respect to the parameters is the whole batch's under this mode: one
+        # micro-batch, whose forward runs once with its graph.
+        self.gradients = gradients
         # `convolutions(layer, forward, args, kwargs)`, where set: how torch's convolution layers run under this mode
         # (`forwards`), for the recompute schedule's kept outputs (`kept`).
         self.convolutions: Callable[..., Tensor] | None = None
@@ -134,7 +138,31 @@ class NormCalls(TorchFunctionMode):
                 out = func(*args, **kwargs)
             self.graphs.instance_norm(out)  # torch makes it a batch norm of one sample: the step saw it
             return out
+        elif func is _GRAD and not self.gradients:
+            inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+            try:  # run first: one through a met call is refused there, saying so
+                grads = func(*args, **kwargs)
+            except RuntimeError:  # torch's own error (an output without its graph): ours first, where it applies
+                self._refuse_gradient_of_parameters(inputs)
+                raise
+            self._refuse_gradient_of_parameters(inputs)
+            return grads
         return func(*args, **kwargs)
+
+    def _refuse_gradient_of_parameters(self, inputs: Any) -> None:
+        """torch.autograd.grad in a micro-batch's forward (or, under passes and one micro-batch at a time, in
+        batch_loss_fn), with respect to a parameter of the model: refused, as a .backward() there that reaches the
+        parameters is."""
+        wanted = {id(t) for t in ((inputs,) if isinstance(inputs, Tensor) else tuple(inputs or ()))}
+        name = next((n for n, p in self.graphs.model.named_parameters() if id(p) in wanted), None)
+        if name is not None:
+            raise ValueError(
+                f"bn='exact': torch.autograd.grad with respect to the model's parameter {name} in your function. "
+                "The step runs loss_fn and forward_fn once per micro-batch, and a gradient of one micro-batch's loss "
+                "is not the whole batch's, so a term made from it (a gradient penalty) would not be the whole "
+                "batch's either; the passes schedule also runs batch_loss_fn on outputs without their graph. Nothing "
+                "was changed. Take such a term in batch_loss_fn (forward_fn= and batch_loss_fn=), which sees the "
+                "whole batch's outputs and their graph under schedule='layerwise'")
 
     def batch_norm(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,  # noqa: A002
                    weight: Tensor | None, bias: Tensor | None, momentum: float | None, eps: float) -> Tensor:

@@ -137,7 +137,7 @@ class _Lockstep:
 
         The mode that sends BatchNorm calls here is the coroutines' own: the driver's work runs without it.
         """
-        with self.step.norm_calls(self._batch_norm, self._instance_norm):
+        with self.step.norm_calls(self._batch_norm, self._instance_norm, once=True):
             return self.step.forward(k)
 
     def _resume(self, k: int, value: object) -> Any:

@@ -79,6 +79,13 @@ class OutputGrads:
     def loss(self, batch_loss: Any) -> Tensor:
         """`batch_loss(whole outputs)`, back-propagated to the outputs; returns the (unscaled) loss."""
         loss, scaled = batch_loss(self.whole)
+        if any(t.grad is not None for t in self.leaves):
+            raise ValueError(
+                "bn='exact': a backward inside batch_loss_fn (a .backward() or torch.autograd.backward there) reached "
+                "the outputs. This schedule runs batch_loss_fn on the outputs without their graph, and hands the "
+                "gradient of the loss it returns back to each micro-batch: that backward's would be lost. Nothing "
+                "was changed. Add its term to the loss you return, or use schedule='layerwise', which runs "
+                "batch_loss_fn on the outputs with their graph")
         # Everything the loss reaches gets its gradient: the outputs, and any parameter the loss uses itself (a
         # learnable temperature).
         self._backward(scaled)

@@ -158,6 +158,12 @@ class _MetCall(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):  # type: ignore[override]
         saved, ctx.pieces = ctx.pieces, None
+        if saved is None:
+            raise ValueError(
+                "bn='exact': a second backward through a BatchNorm call inside a checkpointed region (a backward "
+                "with retain_graph=True before the step's own, in batch_loss_fn or a hook). The step keeps that "
+                "call's input in the region's place for one backward, the step's. Nothing was changed. Add that "
+                "backward's term to the loss you return instead")
         pieces = [_unpack(s, k) for k, s in enumerate(saved)]
         del saved
         weight, bias = ctx.saved_tensors

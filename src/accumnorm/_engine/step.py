@@ -86,11 +86,13 @@ class Step:
         self.parameters = parameters  # every parameter of those modules, once (`tree.parameters`)
         self._names: dict[nn.Module, str] | None = None
 
-    def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor],
-                   on_instance_norm: Callable[[INCall], Tensor]) -> NormCalls:
-        """The TorchFunctionMode that sends this step's norm calls to a schedule's handlers."""
+    def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor], on_instance_norm: Callable[[INCall], Tensor],
+                   once: bool = False) -> NormCalls:
+        """The TorchFunctionMode that sends this step's norm calls to a schedule's handlers. `once`: the schedule
+        runs each micro-batch's forward once, with its graph (a gradient of one micro-batch's loss is the whole
+        batch's when it is the only one)."""
         mode = NormCalls(on_batch_norm, on_instance_norm, self.owners, Step.forward.__code__, self.seen,
-                         self.tracked_versions, self.graphs)
+                         self.tracked_versions, self.graphs, gradients=once and len(self.micro_batches) == 1)
         if self.regions.kept is not None:
             mode.convolutions = self.regions.convolution
         return mode
