@@ -494,3 +494,28 @@ def test_batch_loss_fn_that_differentiates_is_exact_or_refused(schedule_any, cas
         return
     assert rel_err(loss, expected) <= 1e-9
     compare(ref, ours, 1e-9)
+
+
+def test_a_graph_made_before_the_step_is_exact_or_refused_saying_why(schedule_any):
+    """A regularizer computed once, before the step, added to every micro-batch's loss: one backward over the K
+    losses takes it once in all (exact); passes back-propagates every micro-batch several times, where torch's
+    "backward through the graph a second time" becomes a refusal that says what happened, with nothing changed."""
+    model = net()
+
+    def with_penalty(made):
+        return lambda m, b: ce_loss(m, b) + 0.01 * made
+
+    ref, ours = copy.deepcopy(model), copy.deepcopy(model)
+    expected = whole_batch(ref, batch(), with_penalty(ref.head.weight.pow(2).sum()))
+    snap = snapshot(ours)
+    try:
+        loss = accumnorm.backward(ours, batch(), with_penalty(ours.head.weight.pow(2).sum()), micro_batch_size=2,
+                                  schedule=schedule_any)
+    except ValueError as e:
+        assert schedule_any == "passes", e
+        assert re.search(r"graph was made before the step .* back-propagated a second time\. Nothing was changed",
+                         str(e)), e
+        assert_unchanged(ours, snap)
+        return
+    assert rel_err(loss, expected) <= 1e-9
+    compare(ref, ours, 1e-9)

@@ -29,6 +29,8 @@ refused.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -85,7 +87,8 @@ class _Passes:
         self.running = RunningStatistics()
 
     def run(self) -> None:
-        with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running:
+        with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
+                _graphs_made_before():
             self._statistics()
             if self.step.objective.whole:
                 self._output_gradients()
@@ -266,6 +269,21 @@ class _Passes:
             scale = invstd if first.weight is None else invstd * first.weight.detach().to(invstd.dtype)
             x_hat = (x.detach().to(call.stats.mean.dtype) - call.stats.mean.view(shape)) * invstd.view(shape)
             self.step.backward(x, [call.sums.correction(x_hat, scale).to(x.dtype)])
+
+
+@contextmanager
+def _graphs_made_before() -> Iterator[None]:
+    """torch's error for a second backward through a graph, said as what it means here."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "backward through the graph a second time" not in str(e):
+            raise
+        raise ValueError(
+            "bn='exact': the passes schedule back-propagates each micro-batch several times, and a loss_fn's tensor "
+            "whose graph was made before the step (a regularizer computed once outside loss_fn, a weight under "
+            "torch.nn.utils.parametrize.cached()) was back-propagated a second time. Nothing was changed. Make it "
+            "inside loss_fn, or use schedule='layerwise', which runs each forward once") from e
 
 
 def _has_backward_hooks(model: torch.nn.Module) -> bool:
