@@ -341,6 +341,28 @@ def test_running_statistics_read_after_their_call_are_the_whole_batchs_at_that_p
     assert exact_or_refused(ref, ours, batch, schedule_any, expected, loss_fn=loss_fn) == "exact"
 
 
+def test_a_teacher_in_train_mode_outside_the_model_is_refused_at_its_first_call(schedule_any):
+    """A teacher's BatchNorm in train mode, run under no_grad in loss_fn: its running statistics are not the model's,
+    which the step could neither update once nor restore. Refused at the teacher's first call, before any other
+    micro-batch's counts it up: the teacher's statistics untouched, its counter one up (its forward's own, before the
+    call), the model as it was."""
+    model, teacher = net(), net()
+    snap, before = snapshot(model), [b.clone() for b in teacher.buffers()]
+
+    def loss_fn(m, b):
+        with torch.no_grad():
+            target = teacher(b[0]).softmax(1)
+        return F.cross_entropy(m(b[0]), target)
+
+    with pytest.raises(ValueError, match=r"running statistics are not buffers of the model .*teacher in train mode"
+                                         r".*Nothing was changed"):
+        accumnorm.backward(model, data((1, 6, 6), 8, torch.float64), loss_fn, micro_batch_size=2,
+                           schedule=schedule_any)
+    assert_unchanged(model, snap)
+    for (name, b), b0 in zip(teacher.named_buffers(), before):
+        assert torch.equal(b, b0 + 1 if name == "1.num_batches_tracked" else b0), name
+
+
 @pytest.mark.slow
 def test_a_compiled_forward_is_exact_and_leaves_no_compile_callback_on_the_thread(schedule_any):
     """A micro-batch paused at a BatchNorm call inside a compiled forward: torch.compile's per-thread frame callback

@@ -170,6 +170,13 @@ class NormCalls(TorchFunctionMode):
         modes = Modes.current()
         self._refuse_where_inexact(modes)
         owner = self._owner(running_mean)
+        if running_mean is not None and owner is None:  # at its first call, before the others count it up too
+            raise ValueError(
+                f"bn='exact' met a F.batch_norm call over {input.shape[1]} channels whose running statistics are not "
+                "buffers of the model (a BatchNorm layer outside it, a teacher in train mode?): accumnorm could "
+                "neither update them once per step nor restore them on an error. Nothing was changed (but the "
+                "layer's own num_batches_tracked, counted up by its forward before this call). Make the layer part "
+                "of the model, or put it in eval mode")
         counted = False
         if owner in self.versions:  # a BatchNorm layer's: counted if its forward bumped num_batches_tracked
             version = owner.num_batches_tracked._version

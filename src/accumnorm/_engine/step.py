@@ -216,11 +216,6 @@ class Step:
     def count_call(self, call: BNCall) -> float | None:
         """Count a BatchNorm call of the whole batch; the factor its running statistics move by."""
         m = call.module
-        if call.running_mean is not None and m is None:
-            raise ValueError(
-                f"bn='exact' met a F.batch_norm call over {call.input.shape[1]} channels whose running statistics "
-                "are not buffers of the model (a BatchNorm layer outside it?): accumnorm could neither update them "
-                "once per step nor restore them on an error. Make the layer part of the model")
         if call.counted:  # a BatchNorm layer's forward: torch counts it in num_batches_tracked
             self.calls_so_far[m] += 1
             if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
