@@ -312,10 +312,10 @@ class Compiled(nn.Module):
     """`body` and torch.compile's wrapper of it (a module with no forward of its own, whose child is `body`); the
     forward calls the wrapper: `body` runs in a frame torch.compile evaluates, and the module tree reaches it twice."""
 
-    def __init__(self, body: nn.Module) -> None:
+    def __init__(self, body: nn.Module, backend: str = "eager") -> None:
         super().__init__()
         self.body = body
-        self.compiled = torch.compile(body, backend="eager")
+        self.compiled = torch.compile(body, backend=backend)
 
     def forward(self, x):
         return self.compiled(x)

@@ -364,22 +364,30 @@ def test_a_teacher_in_train_mode_outside_the_model_is_refused_at_its_first_call(
 
 
 @pytest.mark.slow
-def test_a_compiled_forward_is_exact_and_leaves_no_compile_callback_on_the_thread(schedule_any):
-    """A micro-batch paused at a BatchNorm call inside a compiled forward: torch.compile's per-thread frame callback
-    is that micro-batch's, so the step's own code and the caller's code after it run uncompiled. A graph compiled
-    with the BatchNorm call in it (from the second step on) is a call the step cannot see: refused."""
+@pytest.mark.parametrize("how", ["torch.compile(body)", "body.compile()"])
+def test_a_compiled_batch_norm_is_refused_before_anything_runs(schedule_any, how):
+    """A BatchNorm inside a torch.compile'd module: dynamo compiles it into its graph, where it normalizes one
+    micro-batch alone, and traces the step's own code at each call it graph-breaks on (at the third step under
+    aot_eager, dynamo failed on its own assertion). Refused before anything runs, at every step, nothing changed,
+    no frame callback left on the thread; with its BatchNorm layers in eval mode it is exact."""
     torch._dynamo.reset()
-    model = Compiled(net())
+    model = Compiled(net(), backend="aot_eager") if how.startswith("torch") else net()
+    if how == "body.compile()":
+        model.compile(backend="aot_eager")
     batch = data((1, 6, 6), 8, torch.float64)
-    ref = copy.deepcopy(model)
-    outcomes = []
-    for _ in range(2):
-        expected = whole_batch(ref, batch)
-        outcome = exact_or_refused(ref, model, batch, schedule_any, expected, loss_fn=ce_loss)
+    for _ in range(3):
+        snap = snapshot(model)
+        with pytest.raises(ValueError, match=r"cannot see the BatchNorm calls inside the torch\.compile'd (module "
+                                             r"compiled|model).*Nothing was changed.*Compile the parts between"):
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+        assert_unchanged(model, snap)
         assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None
-        outcomes.append(outcome)
-        ref.zero_grad()
-    assert outcomes[0] == "exact" or schedule_any == "passes", outcomes
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    assert exact_or_refused(ref, model, batch, schedule_any, expected, loss_fn=ce_loss) == "exact"
 
 
 class ReadsLocal(nn.Module):

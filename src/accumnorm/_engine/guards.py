@@ -1,7 +1,8 @@
 """What exact mode refuses.
 
 Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm,
-nn.DataParallel's replica threads, a layer that declares it through `accumnorm_exact_refusal`). After it:
+a BatchNorm inside a torch.compile'd module, nn.DataParallel's replica threads, a layer that declares it through
+`accumnorm_exact_refusal`). After it:
 every training forward of a BatchNorm layer bumps its `num_batches_tracked`, so a bump the step did not see
 is a call that normalized with one micro-batch's statistics, and the step is refused.
 """
@@ -27,6 +28,14 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
             raise ValueError(f"bn='exact' cannot see the BatchNorm of the TorchScript module {where} "
                              f"({m.original_name}): TorchScript runs it in C++. Script the model after training, or "
                              "pass bn='micro'")
+        if _compiled(m) and any(isinstance(d, _BatchNorm) and (d.training or d.running_mean is None)
+                                for d in m.modules()):
+            compiled = f"the torch.compile'd module {name}" if name else "the torch.compile'd model"
+            raise ValueError(f"bn='exact' cannot see the BatchNorm calls inside {compiled}: "
+                             "dynamo compiles them into its graph, where each normalizes one micro-batch alone, and "
+                             "would trace the step's own code at each of them. Nothing was changed. Compile the parts "
+                             "between the BatchNorm layers (each block's convolutions, say), train uncompiled, or pass "
+                             "bn='micro'")
         if isinstance(m, nn.DataParallel) and len(m.device_ids) > 1:
             raise ValueError(f"bn='exact' cannot see the BatchNorm calls of nn.DataParallel ({where}): its replicas "
                              "run in threads of their own. Use torch.distributed (accumnorm.backward's process_group, "
@@ -37,6 +46,11 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
         if reason:
             raise ValueError(f"bn='exact' cannot make {type(m).__name__} ({where}) exact under the {schedule} "
                              f"schedule: {reason}")
+
+
+def _compiled(m: nn.Module) -> bool:
+    """Whether torch.compile runs `m`'s forward: its wrapper (`torch.compile(module)`) or `module.compile()`."""
+    return type(m).__name__ == "OptimizedModule" or vars(m).get("_compiled_call_impl") is not None
 
 
 def refuse_node_backward_hooks(names: dict[nn.Module, str]) -> None:
