@@ -341,6 +341,17 @@ def test_running_statistics_read_after_their_call_are_the_whole_batchs_at_that_p
     assert exact_or_refused(ref, ours, batch, schedule_any, expected, loss_fn=loss_fn) == "exact"
 
 
+def test_two_batch_norms_sharing_running_statistics_are_refused_saying_so(schedule_any):
+    model = net()
+    model[4].running_mean, model[4].running_var = model[1].running_mean, model[1].running_var
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"the BatchNorm layers 1 and 4 hold the same running_mean tensor.*Nothing "
+                                         r"was changed"):
+        accumnorm.backward(model, data((1, 6, 6), 8, torch.float64), ce_loss, micro_batch_size=2,
+                           schedule=schedule_any)
+    assert_unchanged(model, snap)
+
+
 def test_a_teacher_in_train_mode_outside_the_model_is_refused_at_its_first_call(schedule_any):
     """A teacher's BatchNorm in train mode, run under no_grad in loss_fn: its running statistics are not the model's,
     which the step could neither update once nor restore. Refused at the teacher's first call, before any other

@@ -22,8 +22,16 @@ __all__ = ["refuse_unseen_batch_norms", "refuse_node_backward_hooks", "check_eve
 def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> None:
     """Refuse, before anything runs, the layers whose batch statistics no schedule could see or make exact
     (`names`: the model's modules, `tree.module_names`)."""
+    holders: dict[int, nn.Module] = {}  # id(running_mean) -> the BatchNorm layer holding it
     for m, name in names.items():
         where = name or "the model"
+        if isinstance(m, _BatchNorm) and m.running_mean is not None:
+            other = holders.setdefault(id(m.running_mean), m)
+            if other is not m:
+                raise ValueError(f"bn='exact': the BatchNorm layers {names[other] or 'the model'} and {where} hold the "
+                                 "same running_mean tensor. The step tells a layer's calls apart by the layer that "
+                                 "holds its running statistics, and could not count these. Nothing was changed. Give "
+                                 "each layer its own running statistics (or call one layer twice), or pass bn='micro'")
         if isinstance(m, torch.jit.ScriptModule) and "BatchNorm" in getattr(m, "original_name", ""):
             raise ValueError(f"bn='exact' cannot see the BatchNorm of the TorchScript module {where} "
                              f"({m.original_name}): TorchScript runs it in C++. Script the model after training, or "
