@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn as nn
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
@@ -102,6 +102,8 @@ MISUSES = {
                      "return an optimizer over self.parameters()"),
     "foreign optimizer": (dict(configure_optimizers=lambda self: torch.optim.SGD(nn.Linear(2, 2).parameters(), 0.1)),
                           {}, None, ValueError, "steps 2 tensors, 2 of them not parameters of Model"),
+    "GradientAccumulationScheduler": ({}, dict(callbacks=[GradientAccumulationScheduler({0: 2})]), None, ValueError,
+                                      "GradientAccumulationScheduler accumulates with each batch's own BatchNorm"),
     "manual optimization": (dict(automatic_optimization=False), {}, None, ValueError,
                             "sets automatic_optimization = False"),
     "own backward": (dict(backward=lambda self, loss, *args, **kwargs: loss.backward()), {}, None, ValueError,
@@ -132,6 +134,11 @@ def test_misuse_raises_before_any_step(misuse):
     if misuse == "training_step skips super":  # found at the first backward: the override's own forward has
         before = {k: v for k, v in before.items() if "running" not in k and "num_batches" not in k}  # moved stats
     assert_state_close({k: net.state_dict()[k] for k in before}, before, 0.0)
+
+
+def test_the_mixin_after_lightning_module_in_the_bases_is_refused_when_the_class_is_made():
+    with pytest.raises(TypeError, match=re.escape("write class Late(ExactAccumulation, L.LightningModule)")):
+        type("Late", (pl.LightningModule, ExactAccumulation), {})
 
 
 @pytest.mark.parametrize("options, error, message", [

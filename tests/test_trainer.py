@@ -3,6 +3,7 @@ checkpoints that resume bit for bit after a real SIGKILL, bf16 autocast, and cle
 
 The killed and resumed runs are tests/programs/trainer_resume.py, each in a fresh process.
 """
+import copy
 import csv
 import json
 import os
@@ -206,6 +207,11 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         Trainer(model, opt, ce_loss, micro_batch_size=2, amp="fp16")
     with pytest.raises(ValueError, match="amp must be None, 'bf16' or 'fp16', got 'fp8'"):
         Trainer(model, opt, ce_loss, micro_batch_size=2, amp="fp8")
+    with pytest.raises(ValueError, match=r"the optimizer \(SGD\) steps \d+ tensors, \d+ of them not parameters of "
+                                         r"Sequential.*after any copy of the model"):
+        Trainer(copy.deepcopy(model), opt, ce_loss, micro_batch_size=2)  # an optimizer built before the copy
+    with pytest.raises(TypeError, match=r"scheduler ReduceLROnPlateau needs arguments to step.*Step it yourself"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
     trainer = Trainer(model, opt, ce_loss, micro_batch_size=2)
     with pytest.raises(ValueError, match="steps=, epochs="):
         trainer.fit([], log=None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -29,6 +30,7 @@ from ._engine.backward import backward
 from ._engine.store import resolve_store
 from ._files import atomic_open
 from ._fit import FitLoop, check_fit_args, check_log_dir
+from ._optimizer import check_optimizer
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -58,6 +60,11 @@ class Trainer:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if next(model.parameters(), None) is None:
             raise ValueError(f"the model ({type(model).__name__}) has no parameters: there is nothing to train")
+        check_optimizer(optimizer, model, "build it over model.parameters() (after any copy of the model)")
+        if scheduler is not None and not _steps_alone(scheduler):
+            raise TypeError(f"scheduler {type(scheduler).__name__} needs arguments to step (ReduceLROnPlateau takes "
+                            "a metric): the Trainer steps its scheduler after each optimizer step with none. Step it "
+                            "yourself after your evaluation, and leave scheduler= out")
         if process_group is None and dist.is_initialized():
             process_group = dist.group.WORLD
         if amp not in (None, *AMP_DTYPES):
@@ -243,3 +250,14 @@ class Trainer:
             raise ValueError(f"{path}: {err}") from err
         trainer.run_dir = path.parent
         return trainer
+
+
+def _steps_alone(scheduler: Any) -> bool:
+    """Whether `scheduler.step()` takes no required argument."""
+    try:
+        inspect.signature(scheduler.step).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): trusted
+        return True
+    return True

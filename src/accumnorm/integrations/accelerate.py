@@ -35,7 +35,8 @@ from .._dist import map_batch
 from .._engine.args import Batch, BNMode, Schedule
 from .._engine.backward import backward
 from .._engine.objective import LossFn
-from ._checks import backward_options, check_optimizer
+from .._optimizer import check_optimizer
+from ._checks import backward_options
 
 try:
     from accelerate import Accelerator

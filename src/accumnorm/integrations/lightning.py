@@ -22,14 +22,14 @@ unchanged: precision plugins (autocast; under "16-mixed" its GradScaler scales t
 gradient before clipping and skips a step that overflows), `Trainer(gradient_clip_val=...)`, the
 optimizer step, learning-rate schedulers, checkpoints and loggers. To log the loss, override
 `training_step`: `loss = super().training_step(batch, batch_idx); self.log("train_loss", loss)`.
-In exact mode `training_loss` may run in a worker thread (the layerwise schedule) or more than once
-per micro-batch (passes): log nothing from it.
+In exact mode `training_loss` may run interleaved with the other micro-batches' (the layerwise schedule)
+or more than once per micro-batch (passes): log nothing from it.
 
 Set-up (`on_fit_start`, before the sanity check and any step) refuses what would make the result
-wrong or silently untrained, each time saying what to change: `Trainer(accumulate_grad_batches=...)`,
-manual optimization, an optimizer that does not step this module's parameters, a strategy other than
-one device or DDP, and overrides of the hooks the mixin owns (the mixin's own arguments are checked
-when the module is made).
+wrong or silently untrained, each time saying what to change: `Trainer(accumulate_grad_batches=...)`
+and `GradientAccumulationScheduler`, manual optimization, an optimizer that does not step this module's
+parameters, a strategy other than one device or DDP, and overrides of the hooks the mixin owns (the
+mixin's own arguments are checked when the module is made, its place in the bases when the class is).
 A batch is checked when it arrives, before anything changes (`accumnorm.backward` validates it).
 """
 from __future__ import annotations
@@ -43,7 +43,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._engine.args import BNMode, Schedule
 from .._engine.backward import backward
-from ._checks import backward_options, check_optimizer
+from .._optimizer import check_optimizer
+from ._checks import backward_options
 
 try:
     import lightning.pytorch as pl
@@ -88,6 +89,15 @@ class ExactAccumulation:
         ...         return torch.optim.SGD(self.parameters(), lr=0.1)
         >>> L.Trainer(max_steps=10).fit(Model(), DataLoader(train_set, batch_size=32))
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse the bases in the wrong order when the class is made: LightningModule first would take the mixin's
+        keyword arguments itself, and fail on them with a message about neither."""
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if pl.LightningModule in mro and mro.index(pl.LightningModule) < mro.index(ExactAccumulation):
+            raise TypeError(f"{cls.__name__} puts LightningModule before ExactAccumulation in its bases: write class "
+                            f"{cls.__name__}(ExactAccumulation, L.LightningModule)")
 
     def __init__(self, *args: Any, micro_batch_size: int, bn: BNMode = "exact", schedule: Schedule = "auto",
                  store: str | torch.device | None = None, **kwargs: Any) -> None:
@@ -154,6 +164,12 @@ def _check_trainer(module: ExactAccumulation) -> ProcessGroup | None:
             "BatchNorm statistics; remove it and make the DataLoader yield the batch of a whole optimizer step "
             f"({trainer.accumulate_grad_batches}x its batch_size), which {name} splits into micro-batches of "
             f"micro_batch_size={module.accumnorm_options['micro_batch_size']}")
+    if any(isinstance(c, pl.callbacks.GradientAccumulationScheduler) for c in trainer.callbacks):
+        raise ValueError(
+            "GradientAccumulationScheduler accumulates with each batch's own BatchNorm statistics, as "
+            "Trainer(accumulate_grad_batches=...) does, and would only be undone by the gradient each training_step "
+            f"makes; remove it and make the DataLoader yield the batch of a whole optimizer step, which {name} splits "
+            f"into micro-batches of micro_batch_size={module.accumnorm_options['micro_batch_size']}")
     for hook in _OWNED_HOOKS:
         if getattr(type(module), hook) is not getattr(ExactAccumulation, hook):
             raise ValueError(f"{name} overrides {hook}(), which ExactAccumulation implements: its training_step "
