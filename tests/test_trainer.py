@@ -189,6 +189,33 @@ def test_a_fresh_run_into_the_log_of_another_is_refused_and_its_resume_is_not(tm
     assert (other / "checkpoint.pt").exists()
 
 
+def test_a_run_that_failed_before_its_first_checkpoint_is_replaced_by_the_rerun(tmp_path):
+    """A loss_fn with a typo fails at step 1, after the run's logs are open: no checkpoint, nothing to resume. The
+    fixed rerun into the same log replaces those files, saying so, where it used to be refused with advice to
+    resume a run that had no checkpoint."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8)
+    broken = _sgd_trainer()
+    broken.loss_fn = lambda m, b: F.cross_entropy(m(b[0]), b[1].float())
+    with pytest.raises(RuntimeError):
+        broken.fit(loader, steps=2, log=tmp_path)
+    assert "checkpoint.pt" not in {p.name for p in tmp_path.iterdir()} and any(tmp_path.iterdir())
+    with pytest.warns(UserWarning, match=r"holds a run that left no checkpoint .* this run replaces its files"):
+        _sgd_trainer().fit(loader, steps=2, log=tmp_path)
+    assert [int(r["step"]) for r in read_metrics(tmp_path) if r["name"] == "loss"] == [1, 2]
+    assert (tmp_path / "checkpoint.pt").exists()
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("events.out.")]) <= 1
+
+
+def test_a_failing_eval_fn_keeps_the_checkpoint_and_names_its_result(tmp_path):
+    """eval_fn at the end of a fit returns a matrix: the run's checkpoint is written before it, and the error
+    names the result."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8)
+    trainer = _sgd_trainer()
+    with pytest.raises(ValueError, match=r"eval_fn returned Tensor of shape \(3, 3\) for 'confusion'"):
+        trainer.fit(loader, steps=3, eval_fn=lambda m: {"acc": 0.5, "confusion": torch.zeros(3, 3)}, log=tmp_path)
+    assert _load(tmp_path / "checkpoint.pt").step_count == 3
+
+
 def test_evaluations_show_in_the_progress_bar_and_in_a_line_each(tmp_path, capsys):
     trainer = _sgd_trainer()
     scores = iter([0.25, 0.5, 0.75])

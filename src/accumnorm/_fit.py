@@ -2,12 +2,13 @@
 (throughput, progress, evaluation, checkpoints), so that `fit` itself reads as the loop it is. The
 Trainer imports this module, never the other way: the loop sees the trainer through its attributes.
 
-A log directory holds one run. A fresh run into a directory that holds a run's files is refused (it
-would overwrite them); only the trainer that continues that run, loaded from its checkpoint, writes
-there again. metrics.csv is then rewritten atomically when `fit` starts, keeping the rows up to the
-starting step (a run killed after its last checkpoint logged past it); rows that cannot be read (a line
-cut short by a kill, garbage) are skipped with a warning naming the file and the lines, and are not
-written back.
+A log directory holds one run. A fresh run into a directory that holds a run with a checkpoint is
+refused (it would overwrite it); only the trainer that continues that run, loaded from its checkpoint,
+writes there again. A run that left no checkpoint (it failed before its first) cannot be continued:
+a fresh run replaces its files, with a warning. When a run is continued, metrics.csv is rewritten
+atomically as `fit` starts, keeping the rows up to the starting step (a run killed after its last
+checkpoint logged past it); rows that cannot be read (a line cut short by a kill, garbage) are skipped
+with a warning naming the file and the lines, and are not written back.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -61,10 +63,15 @@ def check_log_dir(trainer: Any, log: str | os.PathLike | None) -> None:
     if log is not None and trainer.rank == 0:
         found = run_files(Path(log))
         continues = trainer.run_dir is not None and Path(trainer.run_dir).resolve() == Path(log).resolve()
-        if found and not continues:
+        if found and not continues and "checkpoint.pt" in found:
             problem = (f"log {str(log)!r} already holds a run ({', '.join(found)}), which this fresh run would "
                        f"overwrite: pass another log=, resume that run with Trainer.load({str(log)!r}, model, "
                        "optimizer, loss_fn), or delete it")
+        elif found and not continues:
+            warnings.warn(f"log {str(log)!r} holds a run that left no checkpoint ({', '.join(found)}), which no "
+                          "Trainer can continue: this run replaces its files", stacklevel=3)
+            for name in found:
+                (Path(log) / name).unlink()
     problem = _dist.all_gather_object(problem, trainer.process_group)[0]
     if problem is not None:
         raise ValueError(problem)
@@ -135,20 +142,20 @@ class FitLoop:
         t.batch_in_epoch += 1
         self._record(batch, loss, lr)
         self.evaluated = self.eval_fn is None or (self.eval_every is not None and t.step_count % self.eval_every == 0)
+        if self.checkpoint_every is not None and t.step_count % self.checkpoint_every == 0:
+            self._save()  # before the evaluation, whose failure must not cost the step its checkpoint
         if self.eval_fn is not None and self.evaluated:
             self._evaluate()
-        if self.checkpoint_every is not None and t.step_count % self.checkpoint_every == 0:
-            self._save()
         self.tick = time.perf_counter()  # after evaluation and saving, which are not throughput
 
     def finish(self) -> None:
-        """The evaluation and the checkpoint at the end, unless the last step had them. Not called when an
+        """The checkpoint and the evaluation at the end, unless the last step had them. Not called when an
         exception (KeyboardInterrupt too) ends the loop: one that came between the parts of a step (the optimizer's
         update, the scheduler's, the counts) would leave a state no checkpoint should hold."""
-        if not self.evaluated:
-            self._evaluate()
         if self.log is not None and self.config is not None and self.saved_step != self.trainer.step_count:
             self._save()
+        if not self.evaluated:
+            self._evaluate()
 
     def _start(self, batch: Any) -> None:
         self.config = describe(self.trainer, batch, self.loader, steps=self.steps, epochs=self.epochs,
@@ -186,13 +193,23 @@ class FitLoop:
             result = self.eval_fn(t.model)
         t.model.train()
         result = result if isinstance(result, dict) else {"eval": result}
-        result = {name: float(value) for name, value in result.items()}
+        result = {name: _scalar(name, value) for name, value in result.items()}
         self.metrics.log(t.step_count, result)
         self.last.update(result)
         self.postfix.update((name, f"{value:.4g}") for name, value in result.items())
         self.bar.set_postfix(self.postfix)
         if t.rank == 0:
             _tqdm().write(f"step {t.step_count}: " + ", ".join(f"{name} {value:.4g}" for name, value in result.items()))
+
+
+def _scalar(name: str, value: Any) -> float:
+    """One number of eval_fn's result, or a ValueError naming it."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+        raise ValueError(f"eval_fn returned {type(value).__name__}{shape} for {name!r}: each of its results must "
+                         "be one number (a float, or a tensor of one element) for metrics.csv") from e
 
 
 def sizes(trainer: Any, per_rank: int) -> dict[str, int]:

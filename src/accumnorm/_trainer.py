@@ -138,8 +138,9 @@ class Trainer:
         included) keeps its last ``checkpoint_every`` checkpoint, as Lightning does: one that came between
         the optimizer's update and the step count would leave a state no checkpoint should hold.
 
-        A directory that already holds a run (config.json, metrics.csv, checkpoint.pt or TensorBoard
-        events) is refused with a ValueError before anything runs: a fresh run there would overwrite it.
+        A directory that already holds a run with a checkpoint (config.json, metrics.csv, checkpoint.pt,
+        TensorBoard events) is refused with a ValueError before anything runs: a fresh run there would
+        overwrite it. A run that left no checkpoint, which nothing can continue, is replaced, with a warning.
         To continue that run, resume it: ``Trainer.load(log, ...)`` (or ``log/checkpoint.pt``) and
         ``fit(..., log=log)``; the resumed trainer continues with the very next batch of the epoch it
         stopped in, and the trainer that wrote a run may fit on in it.
