@@ -302,6 +302,26 @@ def affine_net() -> nn.Module:
     return AffineHalves().double()
 
 
+class ReadsRunning(nn.Module):
+    """A BatchNorm layer, then an eval-mode call on its running statistics (which its training call moved)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.head = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 10)
+
+    def forward(self, x):
+        h = self.lin(x)
+        bn = self.bn
+        y = bn(h) + 0.5 * F.batch_norm(h, bn.running_mean, bn.running_var, bn.weight, bn.bias, False)
+        return self.head(torch.tanh(y))
+
+
+def reads_running_net() -> nn.Module:
+    """`ReadsRunning` in float64, the same every call (on every rank)."""
+    torch.manual_seed(0)
+    return ReadsRunning().double()
+
+
 def affine_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of 8 for `affine_net`, the same every call."""
     g = torch.Generator().manual_seed(1)

@@ -31,7 +31,7 @@ from helpers import (
     snapshot,
     whole_batch,
 )
-from models import AffineHalves, affine_batch, affine_net
+from models import affine_batch, affine_net, reads_running_net
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
@@ -217,20 +217,25 @@ def test_a_global_backward_hook_is_exact_or_refused(schedule, full):
         module._global_is_full_backward_hook = kind_before
 
 
-def test_a_bias_without_a_weight_across_ranks(tmp_path):
-    """tests/programs/affine_ranks.py: two gloo ranks, each with half the batch, under each exact schedule, give
-    `AffineHalves` the whole batch's loss and gradients (the bias without a weight among them)."""
+@pytest.mark.parametrize("net", ["affine", "reads-running"])
+def test_two_ranks_are_the_whole_batch(tmp_path, net):
+    """tests/programs/affine_ranks.py: two gloo ranks, each with half the batch, under each exact schedule, give the
+    whole batch's loss, gradients and buffers: `AffineHalves` (a bias without a weight among its calls), and
+    `ReadsRunning`, whose eval-mode call after its BatchNorm's reads the running statistics that call moved (across
+    ranks they used to move at the step's end, so the read found them as before the step)."""
     program = Path(__file__).parent / "programs" / "affine_ranks.py"
-    assert_ranks_ended_well(launch_ranks([str(program), str(tmp_path)], tmp_path))
-    ref = affine_net()
+    assert_ranks_ended_well(launch_ranks([str(program), str(tmp_path), net], tmp_path))
+    build = reads_running_net if net == "reads-running" else affine_net
+    ref = build()
     expected = whole_batch(ref, affine_batch())
     for schedule in EXACT_SCHEDULES:
         for rank in range(2):
             got = torch.load(tmp_path / f"{schedule}-{rank}.pt")
             assert rel_err(got["loss"], expected) < 1e-12
-            model = AffineHalves().to(DT)
+            model = build()
             for p, g in zip(model.parameters(), got["grads"].values()):
                 p.grad = g
+            model.load_state_dict({**model.state_dict(), **got["buffers"]})
             compare(ref, model, 1e-9)
 
 

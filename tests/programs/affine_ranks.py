@@ -1,10 +1,11 @@
 """One rank of a two-rank run on gloo, started by tests/test_trust_contract.py with torchrun's environment.
 
-    python tests/programs/affine_ranks.py OUT
+    python tests/programs/affine_ranks.py OUT [reads-running]
 
-A net whose batch norms are direct `F.batch_norm` calls with a bias and no weight, and a weight and no bias:
-one `accumnorm.backward` under the process group per exact schedule, on this rank's half of `affine_batch`;
-the loss and every gradient go to OUT/<schedule>-<rank>.pt.
+A net whose batch norms are direct `F.batch_norm` calls with a bias and no weight, and a weight and no bias
+(or, with `reads-running`, a net that reads a BatchNorm's running statistics after its call): one
+`accumnorm.backward` under the process group per exact schedule, on this rank's half of `affine_batch`;
+the loss, every gradient and every buffer go to OUT/<schedule>-<rank>.pt.
 """
 import sys
 from datetime import timedelta
@@ -16,23 +17,24 @@ import torch.distributed as dist
 import accumnorm
 from accumnorm import distributed
 from helpers import EXACT_SCHEDULES, ce_loss
-from models import affine_batch, affine_net
+from models import affine_batch, affine_net, reads_running_net
 
 
-def main(out: Path) -> None:
+def main(out: Path, net: str) -> None:
     env = distributed.init_from_env(timeout=timedelta(seconds=60))
     x, y = affine_batch()
     half = len(x) // env.world_size
     mine = (x[env.rank * half:(env.rank + 1) * half], y[env.rank * half:(env.rank + 1) * half])
     for schedule in EXACT_SCHEDULES:
-        model = affine_net()
+        model = reads_running_net() if net == "reads-running" else affine_net()
         loss = accumnorm.backward(model, mine, ce_loss, micro_batch_size=2, schedule=schedule,
                                   process_group=dist.group.WORLD)
         grads = {n: p.grad for n, p in model.named_parameters()}
-        torch.save({"loss": loss, "grads": grads}, out / f"{schedule}-{env.rank}.pt")
+        torch.save({"loss": loss, "grads": grads, "buffers": dict(model.named_buffers())},
+                   out / f"{schedule}-{env.rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "affine")

@@ -128,7 +128,7 @@ class Step:
         with first.modes.entered(modes):
             if self.collectives.group is None:
                 return normalize_whole(calls, self.count_call(first))
-            return normalize_whole(calls, None, lambda x: self._recorded(first, self.joint_moments([moments(x)])),
+            return normalize_whole(calls, None, lambda x: self._moved(first, self.joint_moments([moments(x)])),
                                    self.collectives.sum_)
 
     def check_same(self, calls: Sequence[BNCall | None], index: int, micro_batches: Sequence[int] | None = None,
@@ -209,8 +209,13 @@ class Step:
         self.batch_norms.append((call, stats, factor))
         return factor
 
-    def _recorded(self, call: BNCall, stats: Moments) -> Moments:
-        self.record(call, stats)
+    def _moved(self, call: BNCall, stats: Moments) -> Moments:
+        """A met call across ranks, whose statistics are every rank's: its running statistics move now, as
+        torch.batch_norm moves them at the call in one process (a later read in the forward finds them moved)."""
+        factor = self.count_call(call)
+        if call.running_mean is not None:
+            update_running_stats_(call.running_mean, call.running_var, stats.mean, stats.m2 / (stats.count - 1),
+                                  factor)
         return stats
 
     def count_call(self, call: BNCall) -> float | None:
