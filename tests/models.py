@@ -322,6 +322,34 @@ def reads_running_net() -> nn.Module:
     return ReadsRunning().double()
 
 
+class Residual(nn.Module):
+    """Four residual blocks of Linear, BatchNorm, ReLU, Linear: regions for the recompute schedule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6))
+                                    for _ in range(4))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+def residual_net() -> nn.Module:
+    """`Residual` in float64, the same every call (on every rank)."""
+    torch.manual_seed(0)
+    return Residual().double()
+
+
+def residual_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of 10 for `residual_net`, the same every call."""
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(10, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (10,), generator=g)
+
+
 def affine_batch() -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of 8 for `affine_net`, the same every call."""
     g = torch.Generator().manual_seed(1)

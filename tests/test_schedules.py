@@ -13,6 +13,7 @@ import copy
 import re
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +24,12 @@ from torch.overrides import TorchFunctionMode
 import accumnorm
 from helpers import (
     EXACT_SCHEDULES,
+    assert_ranks_ended_well,
     assert_unchanged,
     ce_loss,
     compare,
     compare_within_rounding,
+    launch_ranks,
     rel_err,
     snapshot,
     whole_batch,
@@ -37,6 +40,8 @@ from models import (
     FunctionalBN,
     Shared,
     data,
+    residual_batch,
+    residual_net,
     resnet,
     smooth,
     timm_model,
@@ -469,3 +474,31 @@ def test_forward_failure_between_batchnorm_calls_neither_hangs_nor_changes_anyth
     for thread in set(threading.enumerate()) - threads - {worker}:
         thread.join(timeout=600)  # only a guard against a hang: a thread that is ending ends, however slow the machine
     assert not set(threading.enumerate()) - threads - {worker}, "worker threads left running"
+
+
+@pytest.mark.parametrize("budget", [10**9, 10_000])
+def test_auto_under_a_process_group_runs_one_schedule_on_every_rank(tmp_path, budget):
+    """tests/programs/auto_ranks.py: two gloo ranks with shards of 7 and 3 samples and one memory budget. Their needs
+    differ, and so did their choices: rank 0 stopped layerwise over the budget and started over under recompute
+    while rank 1 went on, each then waiting on a collective the other never made. Now each step's schedule is
+    agreed on by the ranks before it runs: the same on both, the whole batch's gradient, no hang."""
+    program = Path(__file__).parent / "programs" / "auto_ranks.py"
+    assert_ranks_ended_well(launch_ranks([str(program), str(tmp_path), str(budget)], tmp_path, wait_s=300))
+    ref = residual_net()
+    expected = whole_batch(ref, residual_batch())
+    schedules = []
+    for step in range(3):
+        got = [torch.load(tmp_path / f"{step}-{rank}.pt") for rank in range(2)]
+        assert got[0]["schedule"] == got[1]["schedule"], got
+        schedules.append(got[0]["schedule"])
+        for result in got:
+            assert rel_err(result["loss"], expected) < 1e-12
+            model = residual_net()
+            model.load_state_dict(ref.state_dict())  # the buffers moved once per step: gradients only compared
+            for p, g in zip(model.parameters(), result["grads"].values()):
+                p.grad = g
+            compare(ref, model, 1e-9)
+    if budget == 10**9:
+        assert schedules == ["layerwise"] * 3
+    else:
+        assert schedules[-1] != "layerwise", schedules

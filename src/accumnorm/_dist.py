@@ -80,6 +80,14 @@ class Collectives:
             dist.all_reduce(t, group=self.group)
         return t
 
+    def max_(self, n: int, device: torch.device) -> int:
+        """The largest of the ranks' ``n`` (sent as a tensor on ``device``, one the group's backend reaches)."""
+        if self.group is None:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
     def merge_moments(self, m: Moments) -> Moments:
         """This rank's moments merged with every other rank's (one all_gather)."""
         if self.group is None:

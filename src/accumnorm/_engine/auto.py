@@ -5,6 +5,9 @@ before it runs; without a figure it runs metered, and stops once what it keeps w
 runs metered every time, its backward's recomputation reserved before the backward starts). On
 CUDA, an out-of-memory error sends the step to the next schedule as well. What ran and why is kept for
 `accumnorm.last_schedule(model)`; the first time a model leaves layerwise for lack of memory, a warning says so.
+
+Under a process group every rank runs the same schedule (its met calls are collectives): the ranks agree on
+one before the step, from the figures of earlier steps, and it runs to the end, measuring for the next step.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ def _mib(n: float) -> str:
 def run_auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_over: Callable[[Step], None],
              samples: int, budget: int | None) -> Step:
     """Run the step under the first schedule that fits `budget` (None: any fits); fills the step as that one does."""
+    if step.collectives.group is not None:
+        return _run_agreed(step, new_step, store, start_over, samples, budget)
     model = step.model
     key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
     known = figures(model)
@@ -72,6 +77,49 @@ def run_auto(step: Step, new_step: Callable[[], Step], store: Store | None, star
     record_choice(model, Choice("passes", "; ".join(reasons), None, budget))
     _tell(model, "passes", reasons, budget)
     passes(step)
+    return step
+
+
+def _run_agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start_over: Callable[[Step], None],
+                samples: int, budget: int | None) -> Step:
+    """Under a process group: every rank must run the same schedule, whose met calls are collectives. Each rank
+    names the first schedule that this model's figures from earlier steps say fits (one without a figure fits),
+    the ranks take the last named, and it runs to the end: no rank stops on its own meter, which the others would
+    wait on. The step measures what it keeps, for the next step's choice."""
+    model = step.model
+    key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
+    known = figures(model)
+    reasons, order = [], [*_SCHEDULES, "passes"]
+    for name in _SCHEDULES:
+        per_sample = known.get((key, name))
+        need = None if per_sample is None else grads + int(per_sample * samples)
+        if need is None or budget is None or need <= budget:
+            break
+        reasons.append(f"{name} would keep about {_mib(need)} (measured at an earlier step)")
+    else:
+        name = "passes"
+    device = step.parameters[0].device if step.parameters else torch.device("cpu")
+    agreed = order[step.collectives.max_(order.index(name), device)]
+    if agreed != name:
+        reasons.append(f"another rank of the process group needs {agreed}")
+    if agreed == "passes":
+        refuse_unseen_batch_norms(step.modules, "passes")
+        record_choice(model, Choice("passes", "; ".join(reasons), None, budget))
+        _tell(model, "passes", reasons, budget)
+        passes(step)
+        return step
+    meter = Meter(None, store, samples)  # measures, never stops
+    try:
+        _SCHEDULES[agreed](step, meter)
+    except RegionStateChanged as e:  # found by every rank alike, before any backward
+        start_over(step)
+        step, agreed, meter = new_step(), "layerwise", Meter(None, store, samples)
+        reasons.append(str(e))
+        layerwise(step, meter)
+    known[(key, agreed)] = meter.bytes / samples
+    record_choice(model, Choice(agreed, "; ".join(reasons) or "it fits the memory budget", grads + meter.bytes,
+                                budget))
+    _tell(model, agreed, reasons, budget)
     return step
 
 
