@@ -58,6 +58,42 @@ def test_batchnorm_in_a_checkpointed_region_is_exact(schedule, ckpt):
     compare(ref, model, 1e-9)  # running statistics and num_batches_tracked: updated once per call, as the oracle's
 
 
+class InstanceNormBlocks(nn.Module):
+    """A BatchNorm, then residual blocks of conv and InstanceNorm with running statistics (no BatchNorm in them), each
+    run through a checkpointed region if `checkpointed`."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.checkpointed = checkpointed
+        self.inp, self.bn, self.out = nn.Conv2d(1, 4, 1), nn.BatchNorm2d(4), nn.Linear(4, 10)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.InstanceNorm2d(
+            4, affine=True, track_running_stats=True), nn.Tanh()) for _ in range(4))
+
+    def forward(self, x):
+        h = self.bn(self.inp(x))
+        for block in self.blocks:
+            h = h + (checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h))
+        return self.out(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["the user's regions", "recompute's own regions"])
+def test_instance_norm_with_running_statistics_in_a_region_is_exact(schedule, checkpointed):
+    """A region with an InstanceNorm call that tracks running statistics and no BatchNorm call recomputed outside the
+    step: with torch's own path (running statistics given), which saves other tensors than the step's call in the
+    forward (a raw CheckpointError), and which would move the statistics a second time. Such a region recomputes
+    under the step's mode now. The oracle is the same model without checkpoints: torch's own checkpoint would move
+    the statistics twice."""
+    ref = InstanceNormBlocks(checkpointed=False).double()
+    ours = copy.deepcopy(ref)
+    ours.checkpointed = checkpointed
+    batch = data((1, 6, 6), 12, torch.float64)
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=4, schedule=schedule)
+    assert rel_err(loss, expected) < 1e-10
+    compare(ref, ours, 1e-9)
+
+
 def test_a_second_backward_through_a_call_inside_a_region_of_one_micro_batch_is_refused_and_changes_nothing():
     """One micro-batch: a backward inside loss_fn (retaining the graph) through a BatchNorm call in a checkpointed
     region, whose input the region keeps for the step's one backward, is refused before the step's own backward,

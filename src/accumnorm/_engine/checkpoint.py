@@ -12,7 +12,8 @@ function holds the frame, and the recomputation calls the frame's `recompute_fn`
 in the forward, the BatchNorm calls each region makes, in order, with a way to give each one's output
 again; and wraps the frame's `recompute_fn` so that its recomputation runs under the step's
 TorchFunctionMode, where the i-th BatchNorm call gets the i-th recorded output (and no running
-statistic moves). The wrapper lives on the frame, which lives as long as the step's graph.
+statistic moves). A region with an InstanceNorm call that tracks running statistics recomputes under it
+too, for the same reason. The wrapper lives on the frame, which lives as long as the step's graph.
 """
 from __future__ import annotations
 
@@ -75,13 +76,24 @@ class Regions:
         """Record a forward call, with how to give its output again, in every region it is made in (`hooks`: the
         thread's saved-tensor hooks, when the caller has just read them)."""
         for frame in _forward_regions(saved_tensor_hooks() if hooks is None else hooks):
-            key = id(frame)
-            entry = self.calls.get(key)
-            if entry is None or entry[0]() is not frame:
-                entry = self.calls[key] = (weakref.ref(frame, lambda _, key=key: self.calls.pop(key, None)), [],
-                                           frame.recompute_fn)
-                self._recompute_in_step(frame, entry[1])
-            entry[1].append(recompute)
+            self._recorded(frame).append(recompute)
+
+    def enter_instance_norm(self) -> None:
+        """An InstanceNorm call with running statistics in a forward: every region it is made in recomputes under the
+        step's mode too, where the call gives the same output (the path without running statistics, as in the
+        forward: torch's, with them, saves other tensors) and moves no statistic a second time."""
+        for frame in _forward_regions(saved_tensor_hooks()):
+            self._recorded(frame)
+
+    def _recorded(self, frame: Any) -> list[Recompute]:
+        """The calls recorded for `frame`'s region, its recomputation made to run under the step's mode."""
+        key = id(frame)
+        entry = self.calls.get(key)
+        if entry is None or entry[0]() is not frame:
+            entry = self.calls[key] = (weakref.ref(frame, lambda _, key=key: self.calls.pop(key, None)), [],
+                                       frame.recompute_fn)
+            self._recompute_in_step(frame, entry[1])
+        return entry[1]
 
     def _recompute_in_step(self, frame: Any, recorded: list[Recompute]) -> None:
         """Make the region's recomputation run under the step's mode, replaying the recorded calls in order."""

@@ -189,6 +189,7 @@ class _Lockstep:
         k = self.current
         self.step.instance_norm(call, self.instance_norms[k])
         self.instance_norms[k] += 1
+        self.step.regions.enter_instance_norm()
         return call.output()
 
     def _abort(self) -> None:

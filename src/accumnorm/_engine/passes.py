@@ -158,6 +158,8 @@ class _Passes:
         if self.mode == self.FULL:  # each micro-batch's one complete forward
             self.step.instance_norm(call, self.instance_norms)
             self.instance_norms += 1
+        if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
+            self.step.regions.enter_instance_norm()
         return call.output()
 
     # ---------------------------------------------------------------- the passes
