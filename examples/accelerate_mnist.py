@@ -10,6 +10,7 @@ clip_grad_norm_, checkpoints with save_state. Not `gradient_accumulation_steps`:
 batch with its own statistics, so ExactAccumulator refuses it.
 """
 import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +19,10 @@ from accelerate import Accelerator
 from accumnorm.integrations.accelerate import ExactAccumulator
 from accumnorm.study import SimpleModel, load_dataset
 
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-mini"  # beside the project
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")
+p.add_argument("--data", default=str(DATA), help="MNIST root (torchvision layout)")
 p.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step and process")
 p.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
 p.add_argument("--steps", type=int, default=100)

@@ -8,6 +8,7 @@ range, so no GradScaler is needed (float16 on CUDA would need one: pass `grad_sc
 Works on a CPU and on a GPU.
 """
 import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,8 +16,10 @@ import torch.nn.functional as F
 import accumnorm
 from accumnorm.study import SimpleModel, load_dataset
 
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-mini"  # beside the project
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")
+p.add_argument("--data", default=str(DATA), help="MNIST root (torchvision layout)")
 p.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step")
 p.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
 p.add_argument("--steps", type=int, default=100)

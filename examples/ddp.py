@@ -18,8 +18,10 @@ import torch.nn.functional as F
 
 from accumnorm import Trainer, distributed
 
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-mini"  # beside the project
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")
+p.add_argument("--data", default=str(DATA), help="MNIST root (torchvision layout)")
 p.add_argument("--batch-size", type=int, default=64, help="global batch per optimizer step, all ranks together")
 p.add_argument("--micro-batch-size", type=int, default=8)
 p.add_argument("--steps", type=int, default=60)

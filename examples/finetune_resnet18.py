@@ -12,6 +12,7 @@ statistics (the usual choice when fine-tuning with small batches; accumulation i
 Digits from --data (torchvision's MNIST layout) are resized to 32x32 and repeated over 3 channels.
 """
 import argparse
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +21,10 @@ import torchvision
 import accumnorm
 from accumnorm.study import load_dataset
 
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-mini"  # beside the project
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")
+p.add_argument("--data", default=str(DATA), help="MNIST root (torchvision layout)")
 p.add_argument("--weights", help="a resnet18 state dict file; random initialization when not given")
 p.add_argument("--freeze-backbone", action="store_true", help="train the new head only")
 p.add_argument("--bn-eval", action="store_true", help="keep BatchNorm in eval mode (running statistics)")

@@ -11,6 +11,7 @@ would normalize each batch with its own statistics, so set-up refuses it.
 import argparse
 import logging
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as L
 import torch
@@ -19,8 +20,10 @@ import torch.nn.functional as F
 from accumnorm.integrations.lightning import ExactAccumulation
 from accumnorm.study import SimpleModel, load_dataset
 
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-mini"  # beside the project
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")
+p.add_argument("--data", default=str(DATA), help="MNIST root (torchvision layout)")
 p.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step and device")
 p.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward/backward")
 p.add_argument("--steps", type=int, default=100)

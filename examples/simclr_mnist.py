@@ -11,14 +11,17 @@ forward/backward of the whole batch, BatchNorm included. The encoder, views, los
 `accumnorm study --task simclr` (`accumnorm.study`), where docs/study/simclr.md compares the methods.
 """
 import argparse
+from pathlib import Path
 
 import torch
 
 import accumnorm
 from accumnorm.study import Dataset, SimCLRNet, linear_probe, load_dataset, nt_xent, project, two_views
 
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist-mini"  # beside the project
+
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--data", default="../shared/data/mnist-mini", help="MNIST root (torchvision layout)")
+p.add_argument("--data", default=str(DATA), help="MNIST root (torchvision layout)")
 p.add_argument("--batch-size", type=int, default=64, help="images per optimizer step (two views each)")
 p.add_argument("--micro-batch-size", type=int, default=8, help="images per forward/backward")
 p.add_argument("--steps", type=int, default=300)

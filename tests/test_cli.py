@@ -67,6 +67,17 @@ def test_a_tiny_study_from_the_command_line(tmp_path):
     assert len((out / "results.csv").read_text().splitlines()) == 1 + 2
 
 
+def test_ctrl_c_says_in_one_line_that_the_same_command_goes_on(monkeypatch, tmp_path, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(accumnorm.study, "run_study", interrupted)
+    assert main(["study", "--quick", "--out", str(tmp_path / "q")]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == (f"accumnorm study: interrupted; the finished runs are kept in {tmp_path / 'q'}: run the "
+                           "same command again to go on from them")
+
+
 def test_help_lists_the_options(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["study", "--help"])

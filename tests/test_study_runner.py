@@ -2,6 +2,7 @@
 import csv
 import json
 import urllib.error
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,7 +154,8 @@ def test_refuses_an_out_with_other_settings_and_leaves_it_untouched(tmp_path):
 def test_missing_dataset_without_network_is_a_clear_error(tmp_path, monkeypatch):
     from torchvision import datasets
 
-    def offline(self):
+    def offline(self):  # as torchvision's: the folders first, then the network, which fails
+        Path(self.raw_folder).mkdir(parents=True, exist_ok=True)
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(datasets.MNIST, "download", offline)
@@ -161,7 +163,12 @@ def test_missing_dataset_without_network_is_a_clear_error(tmp_path, monkeypatch)
     settings = StudySettings(dataset="mnist", data_dir=str(tmp_path / "empty"), norms=("none",), configs=("1x1",))
     with pytest.raises(FileNotFoundError, match=r"dataset 'mnist' is not under .*empty and downloading it failed"):
         run_study(out, settings, progress=False)
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "empty").exists()  # no empty folders left behind
+    (tmp_path / "data" / "MNIST").mkdir(parents=True)  # the dataset's own folder given, one level too deep
+    deep = StudySettings(dataset="mnist", data_dir=str(tmp_path / "data" / "MNIST"), norms=("none",), configs=("1x1",))
+    with pytest.raises(FileNotFoundError, match=r"looks like the MNIST folder itself: give the folder above it"):
+        run_study(out, deep, progress=False)
+    assert sorted(p.name for p in (tmp_path / "data" / "MNIST").iterdir()) == []
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     given = {k: v for k, v in vars(args).items() if v is not None}
     task = given.pop("task", "bn")
+    out = None
     try:
         settings_type = settings_class(task)
         for option, owner in ONLY.items():
@@ -108,6 +109,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"accumnorm study: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the runs already finished are in results.csv, and the same command goes on from them
+        kept = f"the finished runs are kept in {out}: run the same command again to go on from them" if out else \
+            "nothing was written"
+        print(f"\naccumnorm study: interrupted; {kept}", file=sys.stderr)
+        return 130
     print((Path(written) / "summary.md").read_text())
     print(f"wrote {out}/summary.md, curves.png, report.html, results.csv")
     return 0

@@ -76,12 +76,19 @@ def _torchvision(name: str, root: Path) -> Dataset:
     try:
         splits = [cls(str(root), train=train, download=False) for train in (True, False)]
     except RuntimeError:  # torchvision's "Dataset not found": fetch it, which needs the network
+        made = [d for d in (*reversed(root.parents), root, root / cls.__name__, root / cls.__name__ / "raw")
+                if not d.exists()]  # what the download would create, to take away again if it fails
         try:
             splits = [cls(str(root), train=train, download=True) for train in (True, False)]
         except (OSError, RuntimeError) as err:
+            for d in reversed(made):
+                if d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()
+            hint = (f"; {root} looks like the {cls.__name__} folder itself: give the folder above it, {root.parent}"
+                    if root.name == cls.__name__ else "")
             raise FileNotFoundError(
-                f"dataset {name!r} is not under {root} and downloading it failed ({err}); "
-                f"put it there in torchvision's layout (--data-dir) or connect to the network"
+                f"dataset {name!r} is not under {root} and downloading it failed ({err}){hint}; put it there in "
+                "torchvision's layout or connect to the network"
             ) from err
     return Dataset(*_as_tensors(splits[0]), *_as_tensors(splits[1]))
 
