@@ -120,6 +120,10 @@ def test_an_out_that_is_a_file_is_refused_and_left_alone(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{out} is a file, not a directory" in err and err.count("\n") == 1, err
     assert out.read_text() == "mine"
+    assert main(["study", *TINY_RUN, "--out", str(out / "sub")]) == 2  # under the file: one line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("accumnorm study: error:") and err.count("\n") == 1, err
+    assert out.read_text() == "mine"
 
 
 def test_the_study_prints_its_table_and_finding_then_where_the_files_are(tmp_path, capsys):

@@ -239,7 +239,12 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         Trainer(copy.deepcopy(model), opt, ce_loss, micro_batch_size=2)  # an optimizer built before the copy
     with pytest.raises(TypeError, match=r"scheduler ReduceLROnPlateau needs arguments to step.*Step it yourself"):
         Trainer(model, opt, ce_loss, micro_batch_size=2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(TypeError, match="max_grad_norm must be a number or None, got str '1'"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, max_grad_norm="1")
     trainer = Trainer(model, opt, ce_loss, micro_batch_size=2)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"log must be a directory, but .*afile is a file \(in the path .*sub\)"):
+        trainer.fit([], steps=3, log=tmp_path / "afile" / "sub")
     with pytest.raises(ValueError, match="steps=, epochs="):
         trainer.fit([], log=None)
     with pytest.raises(ValueError, match="checkpoint_every needs a log directory"):

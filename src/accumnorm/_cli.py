@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         settings = settings_type(**fields)
         written = run_study(out, settings, device=args.device, progress=not args.no_progress, workers=args.workers)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, OSError) as err:  # OSError: a path that is a file, or not writable
         print(f"accumnorm study: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the runs already finished are in results.csv, and the same command goes on from them

@@ -44,8 +44,13 @@ def check_fit_args(*, steps: Any, epochs: Any, eval_every: Any, log: Any, checkp
             raise ValueError(f"{name} must be an int >= {least} or None, got {value!r}")
     if checkpoint_every is not None and log is None:
         raise ValueError("checkpoint_every needs a log directory to write checkpoint.pt into")
-    if log is not None and Path(log).exists() and not Path(log).is_dir():
-        raise ValueError(f"log must be a directory, but {log} is a file")
+    if log is not None:
+        existing = next(d for d in (Path(log), *Path(log).absolute().parents) if d.exists())
+        if not existing.is_dir():
+            raise ValueError(f"log must be a directory, but {existing} is a file" + (
+                f" (in the path {log})" if existing != Path(log) else ""))
+        if not os.access(existing, os.W_OK):
+            raise ValueError(f"log {log}: cannot write into {existing}")
     _tqdm()
 
 

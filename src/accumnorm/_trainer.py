@@ -69,6 +69,10 @@ class Trainer:
             process_group = dist.group.WORLD
         if amp not in (None, *AMP_DTYPES):
             raise ValueError(f"amp must be None, 'bf16' or 'fp16', got {amp!r}")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool)
+                                          or not isinstance(max_grad_norm, (int, float))):
+            raise TypeError(f"max_grad_norm must be a number or None, got {type(max_grad_norm).__name__} "
+                            f"{max_grad_norm!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive number or None, got {max_grad_norm!r}")
         self.device = next(model.parameters()).device

@@ -116,6 +116,8 @@ def finding(settings: StudySettings, rows: list[dict[str, Any]]) -> str | None:
 def versus(a: Cell, b: Cell) -> str:
     """a's mean minus b's, and whether that is more than twice the larger spread over runs of the two."""
     gap, noise = a.mean - b.mean, 2 * max(a.spread, b.spread)
+    if min(a.runs, b.runs) < 2:
+        return f"{gap:+.3f} (one run: no spread over runs to weigh it against)"
     return f"{gap:+.3f}, {'more' if abs(gap) > noise else 'not more'} than twice the spread over runs ({noise:.3f})"
 
 

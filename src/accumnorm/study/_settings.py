@@ -49,6 +49,12 @@ def check_grid(settings: Any, names: str) -> None:
         raise ValueError(f"seed must be an int from 0 to 2**64 - runs (run r is seeded with seed + r), got {seed!r}")
     object.__setattr__(settings, "configs", tuple("{}x{}".format(*parse_config(c)) for c in settings.configs))
     object.__setattr__(settings, names, tuple(getattr(settings, names)))
+    for name in (names, "configs"):
+        given = getattr(settings, name)
+        twice = sorted({x for x in given if given.count(x) > 1})
+        if twice:
+            raise ValueError(f"{name} lists {', '.join(map(repr, twice))} more than once: each is one column or row "
+                             "of the table; give each once")
 
 
 def check_positive_float(name: str, value: Any) -> None:
