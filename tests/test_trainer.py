@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -204,6 +205,24 @@ def test_a_run_that_failed_before_its_first_checkpoint_is_replaced_by_the_rerun(
     assert [int(r["step"]) for r in read_metrics(tmp_path) if r["name"] == "loss"] == [1, 2]
     assert (tmp_path / "checkpoint.pt").exists()
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("events.out.")]) <= 1
+
+
+def test_a_resume_with_another_batch_size_mid_epoch_says_so_and_keeps_the_runs_config(tmp_path):
+    """A run stopped 2 batches into an epoch of batches of 8, resumed with batches of 4: the position in the epoch
+    counts batches, so the rest of the epoch is other data. A warning says so (none with the same batches), and
+    config.json keeps the configuration the run had under "previous"."""
+    _sgd_trainer().fit(torch.utils.data.DataLoader(NoisyDigits(32), batch_size=8), steps=2, log=tmp_path)
+    same = tmp_path / "same"
+    _sgd_trainer().fit(torch.utils.data.DataLoader(NoisyDigits(32), batch_size=8), steps=2, log=same)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same batches: nothing to say
+        _load(same / "checkpoint.pt").fit(torch.utils.data.DataLoader(NoisyDigits(32), batch_size=8), steps=3, log=same)
+    resumed = _load(tmp_path / "checkpoint.pt")
+    with pytest.warns(UserWarning, match=r"with batches of 4 samples per rank where it had 8, 2 batches into an epoch"):
+        resumed.fit(torch.utils.data.DataLoader(NoisyDigits(32), batch_size=4), steps=3, log=tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["batch_per_rank"], config["start_step"]) == (4, 2)
+    assert (config["previous"]["batch_per_rank"], config["previous"]["start_step"]) == (8, 0)
 
 
 def test_a_failing_eval_fn_keeps_the_checkpoint_and_names_its_result(tmp_path):

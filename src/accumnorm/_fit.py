@@ -5,15 +5,10 @@ Trainer imports this module, never the other way: the loop sees the trainer thro
 A log directory holds one run. A fresh run into a directory that holds a run with a checkpoint is
 refused (it would overwrite it); only the trainer that continues that run, loaded from its checkpoint,
 writes there again. A run that left no checkpoint (it failed before its first) cannot be continued:
-a fresh run replaces its files, with a warning. When a run is continued, metrics.csv is rewritten
-atomically as `fit` starts, keeping the rows up to the starting step (a run killed after its last
-checkpoint logged past it); rows that cannot be read (a line cut short by a kill, garbage) are skipped
-with a warning naming the file and the lines, and are not written back.
+a fresh run replaces its files, with a warning. The logs themselves are `_metrics.MetricLog`'s.
 """
 from __future__ import annotations
 
-import csv
-import json
 import math
 import os
 import time
@@ -26,11 +21,10 @@ import torch
 import torch.distributed as dist
 
 from . import _dist
-from ._files import atomic_write, csv_text, read_csv
+from ._metrics import MetricLog
 
-__all__ = ["check_fit_args", "check_log_dir", "FitLoop", "MetricLog"]
+__all__ = ["check_fit_args", "check_log_dir", "FitLoop"]
 
-METRIC_FIELDS = ("step", "name", "value")
 RUN_FILES = ("config.json", "metrics.csv", "checkpoint.pt")  # and TensorBoard's events.out.tfevents.*
 
 
@@ -235,7 +229,7 @@ def describe(trainer: Any, batch: Any, loader: Iterable, **fit_args: Any) -> dic
         "micro_batch_size": t.micro_batch_size, **sizes(t, per_rank), "world_size": t.world_size,
         "bn": t.bn, "amp": t.amp, "max_grad_norm": t.max_grad_norm,
         "backend": dist.get_backend(t.process_group) if t.process_group is not None else None,
-        "device": str(t.device), "start_step": t.step_count, **fit_args,
+        "device": str(t.device), "start_step": t.step_count, "batch_in_epoch": t.batch_in_epoch, **fit_args,
         "batches_per_epoch": len(loader) if hasattr(loader, "__len__") else None,
         "model": type(t.model).__name__, "parameters": sum(p.numel() for p in t.model.parameters()),
         "optimizer": type(t.optimizer).__name__,
@@ -251,52 +245,3 @@ def describe(trainer: Any, batch: Any, loader: Iterable, **fit_args: Any) -> dic
                    f"amp={t.amp}, device {t.device}, {config['parameters']:,} parameters, starting at step "
                    f"{t.step_count}")
     return config
-
-
-class MetricLog:
-    """config.json, metrics.csv and TensorBoard scalars in one directory; does nothing without one."""
-
-    def __init__(self, directory: Path | None, step: int):
-        self.directory, self.start_step = directory, step
-        self.writer = self.csv = None
-
-    def start(self, config: dict[str, Any]) -> None:
-        """Open the files; rows past the starting step (left by a run killed after its last checkpoint)
-        and rows that cannot be read are dropped, so a resumed run's log reads as one run."""
-        if self.directory is None:
-            return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.write_config(config)
-        path = self.directory / "metrics.csv"
-        rows = []
-        if path.exists():
-            rows, _ = read_csv(path, METRIC_FIELDS, {"step": int, "value": float},
-                               then="this run writes the file again without them")
-        kept = [r for r in rows if int(r["step"]) <= self.start_step]
-        atomic_write(path, csv_text(METRIC_FIELDS, kept, lineterminator="\r\n"))  # csv's own line end, as below
-        self.file = open(path, "a", newline="")
-        self.csv = csv.DictWriter(self.file, METRIC_FIELDS)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # TensorBoard is optional; the CSV has everything
-            return
-        self.writer = SummaryWriter(self.directory, purge_step=self.start_step + 1)
-
-    def write_config(self, config: dict[str, Any]) -> None:
-        if self.directory is not None:
-            atomic_write(self.directory / "config.json", json.dumps(config, indent=2, default=str) + "\n")
-
-    def log(self, step: int, values: dict[str, float]) -> None:
-        if self.csv is None:
-            return
-        self.csv.writerows({"step": step, "name": k, "value": v} for k, v in values.items())
-        self.file.flush()
-        if self.writer is not None:
-            for name, value in values.items():
-                self.writer.add_scalar(name, value, step)
-
-    def close(self) -> None:
-        if self.csv is not None:
-            self.file.close()
-        if self.writer is not None:
-            self.writer.close()
