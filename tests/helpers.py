@@ -74,12 +74,13 @@ def compare(ref: nn.Module, ours: nn.Module, tol: float, same_dtype: bool = True
     return errs
 
 
-def exact_vs_whole_batch(ref: nn.Module, ours: nn.Module, batch, micro_batch_size: int, tol: float) -> dict[str, float]:
-    """One forward/backward of `ref` over the whole batch against accumnorm.backward(bn="exact") on `ours`:
+def exact_vs_whole_batch(ref: nn.Module, ours: nn.Module, batch, micro_batch_size: int, tol: float,
+                         **step) -> dict[str, float]:
+    """One forward/backward of `ref` over the whole batch against accumnorm.backward(bn="exact", **step) on `ours`:
     the loss, every gradient and every buffer within `tol` (relative)."""
     expected = ce_loss(ref, batch)
     expected.backward()
-    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=micro_batch_size, bn="exact")
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=micro_batch_size, bn="exact", **step)
     assert rel_err(loss, expected) <= tol
     return compare(ref, ours, tol)
 

@@ -296,10 +296,14 @@ class AffineHalves(nn.Module):
         return self.head(torch.tanh(F.batch_norm(self.lin2(h), None, None, self.weight, None, True)))
 
 
-def affine_net() -> nn.Module:
-    """`AffineHalves` in float64, the same every call (on every rank)."""
+def _seeded(cls: type[nn.Module]) -> nn.Module:
+    """`cls()` in float64, the same every call (on every rank)."""
     torch.manual_seed(0)
-    return AffineHalves().double()
+    return cls().double()
+
+
+def affine_net() -> nn.Module:
+    return _seeded(AffineHalves)
 
 
 class ReadsRunning(nn.Module):
@@ -317,9 +321,7 @@ class ReadsRunning(nn.Module):
 
 
 def reads_running_net() -> nn.Module:
-    """`ReadsRunning` in float64, the same every call (on every rank)."""
-    torch.manual_seed(0)
-    return ReadsRunning().double()
+    return _seeded(ReadsRunning)
 
 
 class Residual(nn.Module):
@@ -339,9 +341,7 @@ class Residual(nn.Module):
 
 
 def residual_net() -> nn.Module:
-    """`Residual` in float64, the same every call (on every rank)."""
-    torch.manual_seed(0)
-    return Residual().double()
+    return _seeded(Residual)
 
 
 def residual_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,16 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import accumnorm
-from helpers import EXACT_SCHEDULES, assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
+from helpers import (
+    EXACT_SCHEDULES,
+    assert_unchanged,
+    ce_loss,
+    compare,
+    exact_vs_whole_batch,
+    rel_err,
+    snapshot,
+    whole_batch,
+)
 from models import data
 
 
@@ -87,11 +96,7 @@ def test_instance_norm_with_running_statistics_in_a_region_is_exact(schedule, ch
     ref = InstanceNormBlocks(checkpointed=False).double()
     ours = copy.deepcopy(ref)
     ours.checkpointed = checkpointed
-    batch = data((1, 6, 6), 12, torch.float64)
-    expected = whole_batch(ref, batch)
-    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=4, schedule=schedule)
-    assert rel_err(loss, expected) < 1e-10
-    compare(ref, ours, 1e-9)
+    exact_vs_whole_batch(ref, ours, data((1, 6, 6), 12, torch.float64), 4, 1e-9, schedule=schedule)
 
 
 def test_a_second_backward_through_a_call_inside_a_region_of_one_micro_batch_is_refused_and_changes_nothing():
