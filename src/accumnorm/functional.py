@@ -45,6 +45,11 @@ class Moments:
         """Biased variance: what BatchNorm normalizes with."""
         return self.m2 / self.count
 
+    @property
+    def unbiased_var(self) -> Tensor:
+        """Unbiased variance: what BatchNorm's running variance moves towards."""
+        return self.m2 / (self.count - 1)
+
     def pack(self) -> Tensor:
         """One flat tensor [count, mean..., m2...], for a single all_gather across ranks."""
         return torch.cat([self.count.reshape(1), self.mean, self.m2])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -46,13 +47,11 @@ def run_auto(step: Step, new_step: Callable[[], Step], store: Store | None, star
     known = figures(model)
     reasons: list[str] = []
     for name, schedule in _SCHEDULES.items():
-        per_sample = known.get((key, name))
-        need = None if per_sample is None else grads + int(per_sample * samples)
+        need = _known_need(known, key, name, grads, samples, budget, reasons)
         if need is not None and budget is not None and need > budget:
-            reasons.append(f"{name} would keep about {_mib(need)} (measured at an earlier step)")
             continue
         # Recompute's regions and kept outputs follow the last step's measurements: its figure is measured anew.
-        metered = per_sample is None or name == "recompute"
+        metered = need is None or name == "recompute"
         meter = Meter(None if budget is None else budget - grads, store, samples) if metered else None
         try:
             schedule(step, meter or store)
@@ -73,9 +72,25 @@ def run_auto(step: Step, new_step: Callable[[], Step], store: Store | None, star
             return step
         start_over(step)
         step = new_step()
+    return _run_passes(step, reasons, budget)
+
+
+def _known_need(known: dict, key: Any, name: str, grads: int, samples: int, budget: int | None,
+                reasons: list[str]) -> int | None:
+    """What `name` would keep, by this model's figure from an earlier step (None: no figure); one over `budget` is
+    said in `reasons`."""
+    per_sample = known.get((key, name))
+    need = None if per_sample is None else grads + int(per_sample * samples)
+    if need is not None and budget is not None and need > budget:
+        reasons.append(f"{name} would keep about {_mib(need)} (measured at an earlier step)")
+    return need
+
+
+def _run_passes(step: Step, reasons: list[str], budget: int | None) -> Step:
+    """The step under passes, the schedule of last resort, saying why."""
     refuse_unseen_batch_norms(step.modules, "passes")
-    record_choice(model, Choice("passes", "; ".join(reasons), None, budget))
-    _tell(model, "passes", reasons, budget)
+    record_choice(step.model, Choice("passes", "; ".join(reasons), None, budget))
+    _tell(step.model, "passes", reasons, budget)
     passes(step)
     return step
 
@@ -89,13 +104,12 @@ def _run_agreed(step: Step, new_step: Callable[[], Step], store: Store | None, s
     model = step.model
     key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
     known = figures(model)
-    reasons, order = [], [*_SCHEDULES, "passes"]
+    reasons: list[str] = []
+    order = [*_SCHEDULES, "passes"]
     for name in _SCHEDULES:
-        per_sample = known.get((key, name))
-        need = None if per_sample is None else grads + int(per_sample * samples)
+        need = _known_need(known, key, name, grads, samples, budget, reasons)
         if need is None or budget is None or need <= budget:
             break
-        reasons.append(f"{name} would keep about {_mib(need)} (measured at an earlier step)")
     else:
         name = "passes"
     device = step.parameters[0].device if step.parameters else torch.device("cpu")
@@ -103,11 +117,7 @@ def _run_agreed(step: Step, new_step: Callable[[], Step], store: Store | None, s
     if agreed != name:
         reasons.append(f"another rank of the process group needs {agreed}")
     if agreed == "passes":
-        refuse_unseen_batch_norms(step.modules, "passes")
-        record_choice(model, Choice("passes", "; ".join(reasons), None, budget))
-        _tell(model, "passes", reasons, budget)
-        passes(step)
-        return step
+        return _run_passes(step, reasons, budget)
     meter = Meter(None, store, samples)  # measures, never stops
     try:
         _SCHEDULES[agreed](step, meter)
