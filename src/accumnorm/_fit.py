@@ -56,8 +56,9 @@ def run_files(directory: Path) -> list[str]:
 
 
 def check_log_dir(trainer: Any, log: str | os.PathLike | None) -> None:
-    """Refuse a fresh run into a directory that holds a run: only the trainer that continues it (`run_dir`, the
-    directory of the checkpoint it was loaded from or of its last fit) writes there. Rank 0 decides for all."""
+    """Refuse a fresh run into a directory that holds a run with a checkpoint: only the trainer that continues it
+    (`run_dir`, the directory of the checkpoint it was loaded from or of its last fit) writes there. A run without
+    one, which nothing can continue, has its files removed here, with a warning. Rank 0 decides for all."""
     problem = None
     if log is not None and trainer.rank == 0:
         found = run_files(Path(log))
