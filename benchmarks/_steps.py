@@ -59,8 +59,9 @@ def checkpointed_step(model: nn.Module, batch: Batch, micro: int, case: Case) ->
     """Plain accumulation with the regions the recompute schedule would choose for this model each run in torch's
     `checkpoint(use_reentrant=False)`, and nothing else of accumnorm's: what checkpointing those regions costs by
     itself, the floor under recompute's time. No convolution keeps its output, as recompute's may."""
-    from accumnorm._engine.recompute import checkpointed  # the schedule's own regions, not a public API
-    from accumnorm._engine.regions import choose_regions
+    # the schedule's own regions, not a public API
+    from accumnorm._engine.checkpointing.checkpointed import checkpointed
+    from accumnorm._engine.checkpointing.regions import choose_regions
 
     with checkpointed(choose_regions(model), lambda frame, region: None):
         plain_step(model, batch, micro, case)

@@ -237,7 +237,7 @@ def lit_classifier() -> type:
     return LitClassifier
 
 
-# ---------------------------------------------------------------- tests/test_trainer.py and its resume program
+# ---------------------------------------------------------------- tests/trainer/test_trainer.py and its resume program
 def small_net() -> nn.Module:
     """Conv-BN-ReLU, max-pool, dropout, Linear-BN1d-ReLU, 3 classes on (1, 8, 8) inputs, the same every call."""
     torch.manual_seed(0)
@@ -261,7 +261,7 @@ class NoisyDigits(torch.utils.data.Dataset):
         return self.x[i] + torch.from_numpy(noise), self.y[i]
 
 
-# ---------------------------------------------------------------- tests/test_distributed.py and its ranks' program
+# ------------------------------------------------------- tests/engine/test_distributed.py and its ranks' program
 def ranks_net() -> nn.Module:
     """Three BatchNorms (2d, 2d, 1d), 4 classes on (3, 8, 8) inputs, the same every call (on every rank)."""
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Every script in examples/ runs on a tiny slice of MNIST and prints its final metric.
 
-examples/ddp.py runs in tests/test_distributed.py, under torchrun and in one process; examples/yolov8n_detection.py
-on synthetic images, below.
+examples/ddp.py runs in tests/engine/test_distributed.py, under torchrun and in one process;
+examples/yolov8n_detection.py on synthetic images, below.
 """
 import re
 import subprocess

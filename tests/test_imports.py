@@ -117,3 +117,44 @@ def test_no_module_of_the_study_imports_itself_back():
     graph = {name: deps for name, deps in import_graph().items() if name.startswith("accumnorm.study")}
     found = cycles({name: {d for d in deps if d in graph} for name, deps in graph.items()})
     assert not found, "import circles: " + "; ".join(" -> ".join(c) for c in found)
+
+
+# The engine's layers, bottom to top: each may import from the layers below it and from its own, never from one above.
+# The engine's own top-level modules (`backward`, `args`, `lazy_eps`) sit above them all.
+ENGINE = "accumnorm._engine"
+LAYERS = ["bn", "safety", "memory", "intercept", "checkpointing", "step", "schedules"]
+
+
+def engine_layer(name: str) -> int:
+    """The layer of an engine module: its index in LAYERS, or len(LAYERS) for the engine's top-level modules."""
+    part = name[len(ENGINE) + 1:].partition(".")[0]
+    return LAYERS.index(part) if part in LAYERS else len(LAYERS)
+
+
+def test_the_engine_has_its_layers_as_packages_and_few_modules_at_its_top():
+    engine = SRC / "accumnorm" / "_engine"
+    packages = sorted(p.name for p in engine.iterdir() if (p / "__init__.py").exists())
+    assert packages == sorted(LAYERS)
+    assert len(list(engine.glob("*.py"))) <= 8
+    for layer in LAYERS:
+        doc = ast.get_docstring(ast.parse((engine / layer / "__init__.py").read_text()))
+        assert doc is not None and f"Layer `{layer}`" in doc, f"_engine/{layer}/__init__.py names its layer"
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, what it imports) for each import of an engine module from a layer above its own."""
+    return [(name, dep) for name, deps in sorted(graph.items()) if name.startswith(ENGINE + ".")
+            for dep in sorted(deps) if dep.startswith(ENGINE + ".") and engine_layer(dep) > engine_layer(name)]
+
+
+def test_no_engine_module_imports_from_a_layer_above_its_own():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a layer above: " + "; ".join(f"{a} -> {b}" for a, b in upward)
+
+
+def test_the_layer_check_finds_an_upward_import_and_passes_downward_ones():
+    graph = {"accumnorm._engine.bn.whole": {"accumnorm._engine.step.meeting", "accumnorm.functional"},
+             "accumnorm._engine.step.meeting": {"accumnorm._engine.bn.whole", "accumnorm._engine.step.ledger"},
+             "accumnorm._engine.backward": {"accumnorm._engine.schedules.decide"}}
+    assert upward_imports(graph) == [("accumnorm._engine.bn.whole", "accumnorm._engine.step.meeting")]
+    assert engine_layer("accumnorm._engine.backward") == len(LAYERS)

@@ -14,5 +14,6 @@ python -m venv "$venv"
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__)"
 "$venv/bin/python" tools/core_smoke.py  # the core alone, before the tests' extras arrive
 "$venv/bin/python" -m pip install -q "torchvision==$vision" pytest hypothesis tqdm timm
-"$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" tests/test_accumulation.py tests/test_schedules.py \
-    tests/test_lockstep.py tests/test_trust.py tests/test_checkpoint.py tests/test_batch_loss.py tests/test_functional.py
+"$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_accumulation.py \
+    tests/engine/test_schedules.py tests/engine/test_layerwise.py tests/engine/test_side_effects.py \
+    tests/engine/test_checkpoint.py tests/engine/test_batch_loss.py tests/engine/test_functional.py

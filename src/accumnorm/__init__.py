@@ -7,7 +7,7 @@
 """
 from . import distributed, functional
 from ._engine.backward import backward
-from ._engine.budget import last_schedule
+from ._engine.memory.budget import last_schedule
 from ._trainer import Trainer
 from .layers import (
     NORM_NAMES,

@@ -27,7 +27,7 @@ from ._checkpoint import check_fits, get_rng, read_checkpoint, set_rng
 from ._dist import unwrap_ddp
 from ._engine.args import BNMode, Schedule, check_args
 from ._engine.backward import backward
-from ._engine.store import resolve_store
+from ._engine.memory.store import resolve_store
 from ._files import atomic_open
 from ._fit import FitLoop, check_fit_args, check_log_dir
 from ._optimizer import check_optimizer

@@ -8,7 +8,7 @@ Whole-batch BatchNorm in training mode computes, per channel,
 
 with mean, var (biased) and both sums taken over all N values of the channel in the batch. Those four
 quantities are the only coupling between samples: SyncBatchNorm all-reduces them across GPUs, accumnorm
-reduces them across ranks (`accumnorm._engine.joint`) and micro-batches (the passes schedule). Statistics are
+reduces them across ranks (`accumnorm._engine.bn.ranks`) and micro-batches (the passes schedule). Statistics are
 kept in float32 (float64 for float64 inputs) whatever the input dtype, so that bf16/fp16 never degrade them.
 
 Example::

@@ -1,4 +1,4 @@
-"""One process of a two-process Accelerate run on CPU (gloo), started by tests/test_accelerate.py.
+"""One process of a two-process Accelerate run on CPU (gloo), started by tests/integrations/test_accelerate.py.
 
     accelerate launch --cpu --num_processes 2 tests/programs/accelerate_ddp.py OUT CLIP
 

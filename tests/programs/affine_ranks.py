@@ -1,4 +1,4 @@
-"""One rank of a two-rank run on gloo, started by tests/test_trust_contract.py with torchrun's environment.
+"""One rank of a two-rank run on gloo, started by tests/engine/test_user_functions.py with torchrun's environment.
 
     python tests/programs/affine_ranks.py OUT [reads-running]
 

@@ -1,4 +1,4 @@
-"""One rank of a two-rank run on gloo, started by tests/test_distributed.py with torchrun's environment.
+"""One rank of a two-rank run on gloo, started by tests/engine/test_distributed.py with torchrun's environment.
 
     python tests/programs/distributed_ranks.py SCENARIO OUT
 

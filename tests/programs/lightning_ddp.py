@@ -1,4 +1,4 @@
-"""One rank of a Lightning DDP run on gloo, started by tests/test_lightning.py with torchrun's environment.
+"""One rank of a Lightning DDP run on gloo, started by tests/integrations/test_lightning.py with torchrun's environment.
 
     python tests/programs/lightning_ddp.py OUT CLIP
 

@@ -3,7 +3,7 @@ BatchNorm call) prints "blocked <case>" and waits until the parent sends one SIG
 KeyboardInterrupt, with the model and the thread's torch state as they were. One line per case:
 "ok <case>" or "problem <case>: ...".
 
-    python tests/programs/sigint_blocked.py     # driven by tests/test_trust_process.py
+    python tests/programs/sigint_blocked.py     # driven by tests/engine/test_process_state.py
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One run of the Trainer's kill-and-resume test, started by tests/test_trainer.py in a fresh process.
+"""One run of the Trainer's kill-and-resume test, started by tests/trainer/test_trainer.py in a fresh process.
 
     python tests/programs/trainer_resume.py MODE OUT
 

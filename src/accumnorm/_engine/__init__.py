@@ -1,25 +1,18 @@
-"""The engine behind `accumnorm.backward`, one job per module, in the order a step runs them:
+"""The engine behind `accumnorm.backward`, in layers, each importing only from the layers below it:
 
-- `backward`: the public function: arguments, schedule, the step as a transaction.
-- `args`: argument checks; the batch cut into micro-batches.
-- `lazy_eps`: a warning, once per layer, for a norm whose eps is 1 or more (`nn.LazyBatchNorm2d(32)`).
-- `transaction`: gradients and buffers set aside, merged on success, restored on any error.
-- `rng`: each micro-batch's random stream; the caller's generators one draw on.
-- `step`: one call's micro-batches and the round protocol: `Step.meet` checks that the K micro-batches are
-  at the same BatchNorm call and makes it one call of the whole batch; `sameness`: that check.
-- `whole`: that call: torch's own BatchNorm on the pieces, concatenated; each micro-batch gets its rows.
-- `pieces`: that call inside checkpointed regions: each piece's input kept in its region's place, not the whole's.
-- `joint`: that call across the ranks of a process group (SyncBatchNorm on any device).
-- `calls`: the TorchFunctionMode that routes every batch-statistics norm call of a step to its schedule.
-- `plain`, `lockstep` (the layerwise schedule: coroutines on the caller's thread), `recompute` (layerwise with the
-  model's blocks in checkpointed regions), `passes`: the schedules; `regions`: which parts recompute checkpoints.
-- `budget`, `auto`: what a step may keep and each schedule needs, measured; "auto"'s choice by memory.
-- `choice`: which schedule runs a step (the one asked for, or "auto"'s), each try undone before the next.
-- `threadstate`: torch's per-thread state, swapped as the coroutines take turns; `flags`: the process-wide flags
-  swapped with it.
-- `crossing`: the K graphs checked before their backward: no micro-batch uses another's tensors (Python state
-  shared across a BatchNorm call), and no batch norm with batch statistics ran unseen.
-- `checkpoint`: BatchNorm inside `torch.utils.checkpoint(use_reentrant=False)` regions.
-- `store`: where the layerwise schedule keeps saved tensors.
-- `costs`: the cost model of moving saved tensors to the host against recomputing them on the device.
+1. `bn`: the whole-batch BatchNorm maths (every formula once), knowing nothing of who calls it.
+2. `safety`: the step as a transaction, random streams, Ctrl-C, torch's thread state, the graph check.
+3. `memory`: the memory budget, where saved tensors are kept, and the figures "auto" judges by.
+4. `intercept`: the TorchFunctionMode that finds every batch-statistics norm call; the refusals of what it cannot.
+5. `checkpointing`: BatchNorm inside checkpointed regions, and the recompute schedule's own regions.
+6. `step`: one call as a schedule runs it: the meeting of the micro-batches, the running-statistics ledger, losses.
+7. `schedules`: plain, layerwise, recompute and passes behind one interface; the one module that chooses.
+8. This package's modules: `backward` (the public function and the transaction around a step), `args` (its
+   arguments, the batch cut into micro-batches) and `lazy_eps` (a warning for `nn.LazyBatchNorm2d(32)`).
+
+One BatchNorm call of the layerwise schedule, top to bottom: `intercept.forwards` (the layer's forward) →
+`intercept.calls.NormCalls.batch_norm` → `schedules.layerwise` (the micro-batch pauses) → `step.meeting.meet`
+(the K pieces checked by `step.sameness`) → `bn.whole` or, inside checkpointed regions, `bn.pieces` (across
+ranks, `bn.ranks`) → back in each micro-batch, `checkpointing.recorded` notes the call for its region's
+recomputation, which `bn.replay` gives again in the backward. docs/how-it-works.md says more.
 """

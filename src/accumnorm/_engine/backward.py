@@ -19,23 +19,21 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch import Tensor
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
-from .budget import check_budget, default_budget
-from .choice import check_budget_fits_passes, run_exact, run_plain
-from .forwards import step_forwards
-from .guards import check_every_call_seen, refuse_node_backward_hooks, refuse_unseen_batch_norms
-from .interrupts import SigintDeferred
+from .intercept.forwards import step_forwards
 from .lazy_eps import warn_large_eps
-from .objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
-from .rng import StepRng
-from .step import Step
-from .store import resolve_store, store_for
-from .threadstate import ThreadState
-from .transaction import Transaction
-from .tree import module_names
+from .memory.budget import check_budget, check_budget_fits_passes, default_budget
+from .memory.store import resolve_store, store_for
+from .safety.interrupts import SigintDeferred
+from .safety.rng import StepRng
+from .safety.threadstate import ThreadState
+from .safety.transaction import Transaction
+from .safety.tree import module_names
+from .schedules.decide import refuse_before_step, run_step
+from .step.objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
+from .step.step import Step, StepCall
 
 __all__ = ["backward"]
 
@@ -168,17 +166,15 @@ def backward(
     exact = bn == "exact"
     names = module_names(model)  # every module, once: what the refusals and the transaction walk over
     if exact:
-        refuse_unseen_batch_norms(names, schedule if schedule in ("passes", "recompute") else "layerwise")
-        refuse_node_backward_hooks(names)
+        refuse_before_step(names, schedule)
     store_hooks = store_for(store_device, _device(model))
     budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(_device(model))
+    call = StepCall(model, micro_batches, objective, collectives, exact)
     _RUNNING.step = True
     try:
         with _room_for_the_steps_frames():
-            return _transaction(model, names, micro_batches, objective, collectives, exact,
-                                lambda new_step, transaction: (
-                                    run_exact(new_step, schedule, store_hooks, transaction, sum(sizes), budget)
-                                    if exact else run_plain(new_step())))
+            return _transaction(call, names, lambda new_step, start_over: run_step(
+                new_step, schedule, store_hooks, start_over, sum(sizes), budget))
     finally:
         _RUNNING.step = False
 
@@ -207,38 +203,41 @@ def _room_for_the_steps_frames() -> Iterator[None]:
                 sys.setrecursionlimit(_deeper[1])
 
 
-def _transaction(model: nn.Module, names: dict[nn.Module, str], micro_batches: list[Any],
-                 objective: MicroBatchLoss | BatchLoss, collectives: Collectives, exact: bool,
-                 run: Callable[[Callable[[], Step], Transaction], Step]) -> Tensor:
-    """Run the step; commit its gradients and running statistics, or, whatever ends it early, undo everything."""
+def _transaction(call: StepCall, names: dict[nn.Module, str],
+                 run: Callable[[Callable[[], Step], Callable[[Step], None]], Step]) -> Tensor:
+    """Run the step (`run(new_step, start_over)`); commit its gradients and running statistics, or, whatever ends it
+    early, undo everything."""
     # Copies only, until the try: an interrupt before it changes nothing.
     caller = ThreadState.capture()
-    transaction = Transaction(model, names)
-    warn_large_eps(model, transaction.modules)
-    rng = StepRng(len(micro_batches), transaction.cuda_devices())
+    transaction = Transaction(call.model, names)
+    warn_large_eps(call.model, transaction.modules)
+    rng = StepRng(len(call.micro_batches), transaction.cuda_devices())
     interrupts = SigintDeferred()
     steps: list[Step] = []
     try:
         interrupts.start()
         transaction.begin()
         rng.start()
-        # The transaction's copies, which nothing writes: each BatchNorm's num_batches_tracked before the step.
-        tracked_before = {m: saved for m, name, _, saved in transaction.buffers
-                          if name == "num_batches_tracked" and isinstance(m, _BatchNorm)}
 
         def new_step() -> Step:
-            steps.append(Step(model, transaction.names, transaction.all_params, micro_batches, objective, collectives,
-                              rng, interrupts, transaction.restore_buffers, tracked_before, transaction.backward))
+            steps.append(Step(call, transaction, rng, interrupts))
             return steps[-1]
 
-        with step_forwards(transaction.modules) if exact else nullcontext():
-            step = run(new_step, transaction)
-        loss = step.result()
-        collectives.sum_grads_(transaction.params)
-        if exact:
+        def start_over(step: Step) -> None:
+            """Undo a schedule's partial run for another to start the step again: gradients, buffers, and every
+            micro-batch's random stream back at its start (the next schedule draws what it would have drawn alone)."""
+            transaction.rollback()
+            transaction.begin()
+            step.rng.rewind()
+
+        with step_forwards(transaction.modules) if call.exact else nullcontext():
+            step = run(new_step, start_over)
+        loss = step.losses.result()
+        call.collectives.sum_grads_(transaction.params)
+        if call.exact:
             transaction.refuse_parameters_replaced()
-            check_every_call_seen(step)
-            step.update_running_stats()
+            step.ledger.check_every_call_seen(step.names)
+            step.ledger.update_running_stats()
         for m in transaction.modules:
             if hasattr(type(m), "accumnorm_step_end"):
                 m.accumnorm_step_end()

@@ -9,12 +9,13 @@ that has one, whatever its class, before the step.
 from __future__ import annotations
 
 import re
-import warnings
 import weakref
 from collections.abc import Iterable
 
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _NormBase
+
+from .._warn import warn_at_caller
 
 __all__ = ["warn_large_eps"]
 
@@ -33,8 +34,7 @@ def warn_large_eps(model: nn.Module, modules: Iterable[nn.Module]) -> None:
             kind = _KIND.search(type(m).__name__)
             layer = kind.group(0) if kind else "BatchNorm2d"
             channels = int(m.eps) if float(m.eps).is_integer() else m.eps
-            warnings.warn(
+            warn_at_caller(
                 f"accumnorm.backward: {where} has eps={m.eps:g}, 1 or more: did you mean "
                 f"Lazy{layer}() with {channels} channels? torch reads the first argument as eps. accumnorm.{layer}"
-                f"({channels}) takes the channel count first (accumnorm.{layer}() is lazy)", UserWarning,
-                stacklevel=4)
+                f"({channels}) takes the channel count first (accumnorm.{layer}() is lazy)", UserWarning)

@@ -6,8 +6,8 @@ from typing import Any
 from torch import nn
 
 from .._engine.args import check_args
-from .._engine.objective import LossFn
-from .._engine.store import resolve_store
+from .._engine.memory.store import resolve_store
+from .._engine.step.objective import LossFn
 
 __all__ = ["backward_options"]
 

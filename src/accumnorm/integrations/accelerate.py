@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._dist import map_batch
 from .._engine.args import Batch, BNMode, Schedule
 from .._engine.backward import backward
-from .._engine.objective import LossFn
+from .._engine.step.objective import LossFn
 from .._optimizer import check_optimizer
 from ._checks import backward_options
 

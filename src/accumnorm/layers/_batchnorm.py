@@ -3,7 +3,7 @@
 Each class subclasses torch's layer of the same name (and so `_BatchNorm`): code that finds BN layers
 by type still finds them, and state_dicts interchange with torch's. They *are* torch's BatchNorm, call
 for call: `accumnorm.backward(..., bn="exact")` makes every batch-norm call exact, these layers' and
-torch's own alike (see `accumnorm._engine.calls`). What they add is the safe constructor: channels first.
+torch's own alike (see `accumnorm._engine.intercept.calls`). What they add is the safe constructor: channels first.
 
 `num_features` comes first and may be None: the layer then infers it from its first input.
 """

@@ -13,7 +13,7 @@ and then updates its running statistics K times in order with them.
 
 At micro-batch 1 a step of the study's net is a chain of small calls; one call per layer for the
 whole batch instead of K does the same arithmetic in a fraction of the time. The runner uses this
-for every plain-accumulation cell whose model `fusable` accepts; tests/test_study_fused.py checks
+for every plain-accumulation cell whose model `fusable` accepts; tests/study/test_study_fused.py checks
 it against the literal K-micro-batch loop (float64, several optimizer steps, parameters and
 running statistics).
 """

@@ -1,0 +1,183 @@
+"""A met BatchNorm call inside checkpointed regions: each micro-batch's input kept in that micro-batch's place.
+
+`whole` runs a met call in the driver, outside every region: torch's `batch_norm` on the concatenated input
+saves the whole batch's input for its backward, so a checkpointed model would still keep every BatchNorm
+input of every micro-batch. When a piece comes from inside a `checkpoint(use_reentrant=False)` region, the
+call is instead one autograd.Function over the K pieces (`normalize_pieces`). Its forward is torch's own
+`native_batch_norm` on the whole batch (statistics, running-statistics update, output); it saves each piece
+with the saved-tensor hooks its micro-batch had at the call, which inside a region keep a placeholder of the
+region's checkpoint. The region's recomputation saves the piece again at the same place (`replay.CallReplay`
+with `keeps_input`), so the backward's unpack gets it back; the backward is BatchNorm's, with the forward's
+mean and inverse standard deviation, over the pieces one at a time (the sums over the whole batch, then each
+piece's input gradient), so that it makes no concatenated copy of the whole batch's input or gradient. Across the
+ranks of a process group, the same, with `ranks.normalize_across_ranks` run again, differentiably, in the
+backward on the recomputed input and the forward's statistics.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...functional import Moments, combine_moments, moments, update_running_stats_
+from .normalize import NormArgs, channel_shape, input_gradient_terms, invstd, normalize_with, scale, sums_term
+from .ranks import normalize_across_ranks
+
+__all__ = ["normalize_pieces"]
+
+
+class _Local:
+    """The whole batch's normalization on this process, piece by piece: no tensor of the whole batch is made."""
+
+    def __init__(self, args: NormArgs, momentum: float | None) -> None:
+        # Not the call: it holds micro-batch 0's input, which the backward must not find kept here.
+        self.running_mean, self.running_var, self.eps = args.running_mean, args.running_var, args.eps
+        self.momentum = momentum
+        self.moments: Moments | None = None
+        self.mean = self.invstd = None
+
+    def forward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None) -> list[Tensor]:
+        """Each piece normalized with the whole batch's statistics: the pieces' moments merged (torch's statistics
+        kernel on each, then Chan's formula), the running statistics updated once, as torch's would be."""
+        m = self.moments = combine_moments([moments(x) for x in xs]) if len(xs) > 1 else moments(xs[0])
+        var = m.var
+        self.mean, self.invstd = m.mean, invstd(var, self.eps)
+        if self.running_mean is not None and self.momentum is not None:
+            # Through .data, as torch's kernel updates them: their version counters stay, so that an earlier call
+            # of the same layer, whose backward saved them (torch's batch_norm does), is not invalidated.
+            update_running_stats_(self.running_mean.data, self.running_var.data, m.mean, m.unbiased_var,
+                                  self.momentum)
+        self.running_mean = self.running_var = None  # updated once, in the forward
+        return [normalize_with(x, m.mean, var, weight, bias, self.eps) for x in xs]
+
+    def stats(self) -> Moments:
+        """The forward's statistics (for a recomputation's output)."""
+        return self.moments
+
+    def backward(self, xs: list[Tensor | None], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
+                 needs: tuple[bool, bool, bool]) -> tuple[Any, ...]:
+        """BatchNorm's backward with the forward's mean and invstd, over the pieces one at a time: no tensor of the
+        whole batch, and each piece of `xs` let go of (set to None) once its input gradient is made."""
+        mean, invstd_, shape = self.mean, self.invstd, channel_shape(xs[0])
+        sum_dy, sum_dy_xhat, count = torch.zeros_like(mean), torch.zeros_like(mean), 0
+        for x, dy in zip(xs, dys):
+            if x.numel() == 0:  # an empty piece adds nothing (and torch's kernel kills the process on one: SIGFPE)
+                continue
+            # torch's BatchNorm backward kernel, asked for its weight and bias gradients alone: the piece's
+            # sum(dy * x_hat) and sum(dy) in one pass, with the whole batch's mean and invstd.
+            _, piece_dy_xhat, piece_dy = torch.ops.aten.native_batch_norm_backward(
+                dy.to(mean.dtype), x.to(mean.dtype), None, None, None, mean, invstd_, True, self.eps,
+                [False, True, True])
+            sum_dy += piece_dy
+            sum_dy_xhat += piece_dy_xhat
+            count += x.numel() // x.shape[1]
+        dw = sum_dy_xhat if needs[1] else None
+        db = sum_dy if needs[2] else None
+        dxs = None
+        if needs[0]:
+            scale_ = scale(invstd_, weight)
+            slope, offset = input_gradient_terms(mean, invstd_, scale_, sum_dy, sum_dy_xhat, count)
+            dxs = []
+            for k, dy in enumerate(dys):
+                x, xs[k] = xs[k], None
+                dxs.append(sums_term(x.to(mean.dtype), slope, offset).addcmul_(dy.to(mean.dtype), scale_.view(shape))
+                           .to(x.dtype))
+                del x
+        return dxs, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
+
+
+class _AcrossRanks:
+    """The whole batch's normalization over the ranks of a process group (`ranks`), with the forward's statistics."""
+
+    def __init__(self, args: NormArgs, across_ranks: Callable[[Tensor], Moments],
+                 reduce_sums: Callable[[Tensor], Tensor]) -> None:
+        self.eps, self.across_ranks, self.reduce_sums = args.eps, across_ranks, reduce_sums
+        self.moments: Moments | None = None
+
+    def _normalize(self, x: Tensor, weight: Tensor | None, bias: Tensor | None) -> Tensor:
+        return normalize_across_ranks(x, self.moments, weight, bias, self.eps, self.reduce_sums)
+
+    def forward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None) -> list[Tensor]:
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        self.moments = self.across_ranks(x)
+        y = self._normalize(x, weight, bias)
+        # Not views: a micro-batch may change its rows in place, as after `whole`'s unsafe split.
+        return [y] if len(xs) == 1 else list(y.unsafe_split_with_sizes([p.shape[0] for p in xs]))
+
+    def stats(self) -> Moments:
+        return self.moments
+
+    def backward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None, dys: list[Tensor],
+                 needs: tuple[bool, bool, bool]) -> tuple[Any, ...]:
+        x, dy = torch.cat(xs), torch.cat(dys)
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) if t is not None else None
+                      for t, need in zip((x, weight, bias), needs)]
+            y = self._normalize(*leaves)
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(y, wanted, dy) if wanted else ())
+        dx, dw, db = (next(grads) if t is not None and t.requires_grad else None for t in leaves)
+        return None if dx is None else list(dx.split([p.shape[0] for p in xs])), dw, db
+
+
+def _pack(hooks: tuple[tuple[Any, Any], ...], x: Tensor) -> tuple[Any, Any, int]:
+    """Save piece `x` as autograd would where its micro-batch made the call: with the top of its hooks, if any."""
+    if hooks:
+        pack, unpack = hooks[-1]
+        return unpack, pack(x), 0
+    return None, x, x._version
+
+
+def _unpack(saved: tuple[Any, Any, int], k: int) -> Tensor:
+    unpack, packed, version = saved
+    if unpack is not None:
+        return unpack(packed)
+    if packed._version != version:
+        raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                           f"operation: micro-batch {k}'s input of a BatchNorm call is at version {packed._version}; "
+                           f"expected version {version} instead")
+    return packed
+
+
+class _MetCall(torch.autograd.Function):
+    """The K pieces of a BatchNorm call normalized as one batch, each kept in its micro-batch's place (module doc)."""
+
+    @staticmethod
+    def forward(ctx, norm, hooks, weight, bias, *pieces):  # type: ignore[override]
+        outputs = norm.forward(list(pieces), weight, bias)
+        ctx.norm = norm
+        ctx.pieces = [_pack(h, p) for h, p in zip(hooks, pieces)]
+        ctx.save_for_backward(weight, bias)
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):  # type: ignore[override]
+        saved, ctx.pieces = ctx.pieces, None
+        if saved is None:
+            raise ValueError(
+                "bn='exact': a second backward through a BatchNorm call inside a checkpointed region (a backward "
+                "with retain_graph=True before the step's own, in batch_loss_fn or a hook). The step keeps that "
+                "call's input in the region's place for one backward, the step's. Nothing was changed. Add that "
+                "backward's term to the loss you return instead")
+        pieces = [_unpack(s, k) for k, s in enumerate(saved)]
+        del saved
+        weight, bias = ctx.saved_tensors
+        dys = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, pieces)]
+        needs = (any(ctx.needs_input_grad[4:]), weight is not None and ctx.needs_input_grad[2],
+                 bias is not None and ctx.needs_input_grad[3])
+        dxs, dw, db = ctx.norm.backward(pieces, weight, bias, dys, needs)
+        return (None, None, dw, db, *([None] * len(pieces) if dxs is None else dxs))
+
+
+def normalize_pieces(args: NormArgs, inputs: Sequence[Tensor], hooks: Sequence[tuple[tuple[Any, Any], ...]],
+                     momentum: float | None, across_ranks: Callable[[Tensor], Moments] | None = None,
+                     reduce_sums: Callable[[Tensor], Tensor] | None = None) -> tuple[list[Tensor], Moments]:
+    """The K pieces' outputs of one BatchNorm call of the whole batch (`args`: its parameters, buffers and eps), each
+    piece of `inputs` saved with its micro-batch's saved-tensor `hooks` at the call (module doc); and the call's
+    statistics, for a region's recomputation."""
+    norm = _Local(args, momentum) if across_ranks is None else _AcrossRanks(args, across_ranks, reduce_sums)
+    outputs = _MetCall.apply(norm, list(hooks), args.weight, args.bias, *inputs)
+    return list(outputs), norm.stats()

@@ -1,0 +1,10 @@
+"""Layer `checkpointing`: BatchNorm inside `torch.utils.checkpoint(use_reentrant=False)` regions, and the regions
+the recompute schedule makes of a model.
+
+`frames`: where a point stands against the regions (their forward, their recomputation); `recorded`: each
+region's BatchNorm calls recorded in the forward, and its recomputation made to give their outputs again;
+`regions`: which modules the recompute schedule checkpoints; `checkpointed`: their forwards checkpointed for a
+step; `kept`: the convolutions whose outputs the regions keep instead of recomputing them.
+
+Imports: the layers below (`bn`, `safety`, `memory`, `intercept`).
+"""

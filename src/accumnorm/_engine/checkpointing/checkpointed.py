@@ -1,0 +1,257 @@
+"""A step's own checkpointed regions: the chosen modules' forwards run in `torch.utils.checkpoint` for the step.
+
+For the length of a step (`checkpointed`), each region (`regions`: a module, or a run of an `nn.Sequential`'s
+children) runs its forward in `torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
+preserve_rng_state=True)`, which keeps only the region's inputs and recomputes the rest when the backward reaches
+it. A module region's forward is its class's, checkpointed; a run's is its Sequential's, torch's own loop over the
+children with the run's children called in one checkpoint. A region called inside a region the user already
+checkpointed, or without grad, runs as it is. Each region call measures what its forward saved, for the next
+steps' choice of regions (`regions.record_saved`).
+
+A region is exact only if running its forward twice gives the same result: `RegionState` finds a forward that
+changed a region module's Python attributes or buffers (other than the BatchNorm state the step itself keeps),
+before the backward runs, and a forward that changed its arguments in place raises `RegionStateChanged` at once,
+so that the step can start over without regions.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import operator
+import types
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from ..safety.threadstate import saved_tensor_hooks
+from .frames import forward_regions, in_recomputation, in_region
+from .regions import Region, Run, record_saved, region_modules
+
+__all__ = ["RegionState", "RegionStateChanged", "checkpointed"]
+
+_STEP_STATE = ("running_mean", "running_var", "num_batches_tracked")  # a BatchNorm's, kept by the step itself
+
+
+Own = Callable[[Any, "Region"], None]  # told of each region call's checkpoint frame in the forward
+
+
+class RegionStateChanged(Exception):
+    """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
+
+
+def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
+    """The bytes per sample a region's forward saved (its frame's metadata of each saved tensor), its modules'
+    parameters left out: one saved tensor of each parameter's shape, in whatever dtype it was saved (under autocast
+    a weight is saved as its reduced-precision copy)."""
+    params = Counter(tuple(p.shape) for m in region_modules(region) for p in m.parameters())
+    saved = 0
+    for meta in frame.x_metadatas:
+        if not (isinstance(meta, dict) and "shape" in meta):
+            continue
+        shape = tuple(meta["shape"])
+        if params[shape] > 0:
+            params[shape] -= 1
+        else:
+            saved += math.prod(shape) * meta["dtype"].itemsize
+    return saved / max(1, rows)
+
+
+def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+                 own: Own) -> Any:
+    """`forward(*args, **kwargs)` in a checkpointed region. The arguments go in as their tensors, which the region
+    saves, and a structure built afresh around them: a list the caller appends to after the call (DenseNet's
+    features) is recomputed as the forward saw it. A forward that changes its tensors or containers in place is
+    refused. `own(frame, region)` learns of each forward's call: the region's checkpoint frame, in which
+    convolutions may keep their outputs."""
+    hooks = saved_tensor_hooks()
+    # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
+    if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
+        return forward(*args, **kwargs)
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+    versions = [leaves[i]._version for i in tensors]
+    given: list[Any] = [None]  # the arguments the forward (not a recomputation) was given
+    saved = _SavedVersions()
+
+    def run(*inputs: Tensor) -> Any:
+        filled = list(leaves)
+        for i, t in zip(tensors, inputs):
+            filled[i] = t
+        a, kw = tree_unflatten(filled, spec)
+        if given[0] is not None:  # a recomputation
+            try:
+                with _top_hooks(pack=saved.noting):
+                    return forward(*a, **kw)
+            finally:  # also at torch's early stop, an exception once every tensor is saved again
+                saved.check()
+        given[0] = (a, kw)
+        frame = forward_regions(saved_tensor_hooks())[-1]
+        own(frame, region)
+        out = forward(*a, **kw)
+        record_saved(region, _saved_bytes(frame, region, inputs[0].shape[0] if inputs and inputs[0].dim() else 1))
+        return out
+
+    out = checkpoint(run, *[leaves[i] for i in tensors], use_reentrant=False, preserve_rng_state=True)
+    (after, after_spec), given[0] = tree_flatten(given[0]), False
+    if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
+            a is not b for i, (a, b) in enumerate(zip(after, leaves)) if i not in tensors):
+        raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but the "
+                                 f"forward of {type(region_modules(region)[0]).__name__} changed its arguments in "
+                                 "place: its recomputation would not be exact")
+    return out
+
+
+class _SavedVersions:
+    """Autograd's check that a tensor saved for the backward was not changed in place since, for the tensors a
+    region's recomputation saves. A checkpointed region saves placeholders, and its recomputation saves the tensors
+    again, with no check: a forward that changes a saved tensor in place (which autograd refuses) does so again in
+    the recomputation, and the backward would read the changed tensor. So the recomputation notes each tensor it
+    saves with its version, and refuses at its end (or at torch's early stop) if one has changed since."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[Tensor, int]] = []  # held by the recomputation anyway, until the backward reads them
+
+    def noting(self, pack: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
+        append = self.saved.append
+
+        @functools.wraps(pack)  # still the recomputation's hook to whoever looks (`in_recomputation`)
+        def note(t: Tensor) -> Any:
+            append((t, t._version))
+            return pack(t)
+        return note
+
+    def check(self) -> None:
+        saved = self.saved[:]
+        self.saved.clear()
+        for t, version in saved:
+            if t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a tensor of shape {tuple(t.shape)} saved inside a region of the recompute schedule "
+                    f"is at version {t._version}; expected version {version} instead (the region's forward changes "
+                    "it in place after an op saved it, which whole-batch torch refuses too). Nothing was changed. "
+                    "Change a copy (.clone()) instead")
+
+
+@contextmanager
+def _top_hooks(pack: Callable[..., Any]) -> Iterator[None]:
+    """The thread's top saved-tensor hooks (a recomputation's) for the block, their pack hook wrapped: `pack(hook)`."""
+    hooks = torch._C._autograd
+    top_pack, top_unpack = hooks._top_saved_tensors_default_hooks(False)
+    hooks._pop_saved_tensors_default_hooks()
+    hooks._push_saved_tensors_default_hooks(pack(top_pack), top_unpack)
+    try:
+        yield
+    finally:
+        hooks._pop_saved_tensors_default_hooks()
+        hooks._push_saved_tensors_default_hooks(top_pack, top_unpack)
+
+
+def _module_forward(own: Own) -> Callable[..., Any]:
+    """A module region's forward: its class's, checkpointed."""
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _region_call(self, types.MethodType(type(self).forward, self), args, kwargs, own)
+    return forward
+
+
+def _sequential_forward(runs: list[Run], own: Own) -> Callable[..., Any]:
+    """torch's `nn.Sequential.forward` with `runs` of its children each called in one checkpointed region: every
+    child is called as torch calls it (its hooks run), on the output of the one before."""
+    def forward(self: nn.Sequential, input: Any) -> Any:
+        children = list(self._modules.values())
+        done = 0
+        for run in runs:
+            for child in children[done:run.start]:
+                input = child(input)
+            input = _region_call(run, functools.partial(_call_in_turn, run.children()), (input,), {}, own)
+            done = run.stop
+        for child in children[done:]:
+            input = child(input)
+        return input
+    return forward
+
+
+def _call_in_turn(children: list[nn.Module], input: Any) -> Any:
+    for child in children:
+        input = child(input)
+    return input
+
+
+@contextmanager
+def checkpointed(regions: list[Region], own: Own) -> Iterator[None]:
+    """The regions' forwards checkpointed until the block ends: a module region's own forward, and the forward of
+    the `nn.Sequential` that holds a run. `own(frame, region)` learns of each checkpoint frame they make."""
+    runs: dict[nn.Sequential, list[Run]] = {}
+    for r in regions:
+        if isinstance(r, Run):
+            runs.setdefault(r.parent, []).append(r)
+    patched = [m for m in regions if isinstance(m, nn.Module)] + list(runs)
+    for m in regions:
+        if isinstance(m, nn.Module):
+            m.forward = types.MethodType(_module_forward(own), m)
+    for seq, its_runs in runs.items():
+        seq.forward = types.MethodType(_sequential_forward(sorted(its_runs, key=lambda r: r.start), own), seq)
+    try:
+        yield
+    finally:
+        for m in patched:
+            vars(m).pop("forward", None)
+
+
+class RegionState:
+    """What a forward must leave alone in the regions' modules: their attributes and their buffers' versions, as
+    the step found them, at the forwards' end and at each region call (the recomputation runs with them as they are
+    at the end: a `training` flag switched off around one call and back would run that call otherwise)."""
+
+    def __init__(self, regions: list[Region]) -> None:
+        self.regions = {r: list(dict.fromkeys(d for m in region_modules(r) for d in m.modules())) for r in regions}
+        modules = list(dict.fromkeys(m for ms in self.regions.values() for m in ms))
+        self.attributes = {m: dict(vars(m)) for m in modules}
+        self.buffers = [(m, name, b, b._version) for m in modules for name, b in m._buffers.items()
+                        if b is not None and not (isinstance(m, _BatchNorm) and name in _STEP_STATE)]
+        self.called_otherwise: tuple[nn.Module, str] | None = None  # a module and attribute, at a region call
+
+    def called(self, region: Region) -> None:
+        """A forward's call of `region`: note it if its modules' attributes are not the step's."""
+        if self.called_otherwise is None:
+            for m in self.regions[region]:
+                key = _differs(self.attributes[m], vars(m))
+                if key is not None:
+                    self.called_otherwise = (m, key)
+                    return
+
+    def changed(self, names: dict[nn.Module, str]) -> str | None:
+        for m, before in self.attributes.items():
+            key = _differs(before, vars(m))
+            if key is not None:
+                return f"{type(m).__name__} {names.get(m, '')} set its attribute {key!r}"
+        for m, name, b, version in self.buffers:
+            if m._buffers.get(name) is not b or b._version != version:
+                return f"{type(m).__name__} {names.get(m, '')} changed its buffer {name!r}"
+        if self.called_otherwise is not None:
+            m, key = self.called_otherwise
+            return (f"{type(m).__name__} {names.get(m, '')} was called with its attribute {key!r} set otherwise than "
+                    "it is at the forward's end")
+        return None
+
+
+_MISSING = object()
+
+
+def _differs(before: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """The first attribute whose value is not the same object in `now` as in `before`, if any (a check at every
+    region call: the same keys in the same order, each value the same object, is the quick test, in C)."""
+    if len(before) == len(now) and all(map(operator.is_, before.values(), now.values())) and list(before) == list(now):
+        return None
+    return next((key for key in before.keys() | now.keys() if before.get(key, _MISSING) is not now.get(key, _MISSING)),
+                None)  # the same attributes in another order
+
+

@@ -1,0 +1,49 @@
+"""Where a point of a forward stands against `torch.utils.checkpoint(..., use_reentrant=False)` regions.
+
+torch's checkpoint keeps a `_CheckpointFrame` per region: the region's forward runs under saved-tensor hooks whose
+pack function holds the frame, and its recomputation, in the backward, runs under hooks of its own. The thread's
+stack of saved-tensor hooks at a point therefore says whether the point is inside a region's forward
+(`in_region`), inside a recomputation (`in_recomputation`), and in which regions' frames (`forward_regions`).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+__all__ = ["forward_regions", "in_recomputation", "in_region"]
+
+_FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
+_RECOMPUTE_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
+
+
+def in_region(hooks: tuple[tuple[Any, Any], ...]) -> bool:
+    """Whether a point with these saved-tensor hooks is inside the forward of a checkpointed region."""
+    return any(_is_forward_hook(pack) for pack, _ in hooks)
+
+
+def in_recomputation(hooks: tuple[tuple[Any, Any], ...]) -> bool:
+    """Whether a point with these saved-tensor hooks is inside a checkpointed region's recomputation (which runs in
+    the backward, under the recomputation's hooks rather than the forward's)."""
+    return any(getattr(inspect.unwrap(pack), "__qualname__", "") == _RECOMPUTE_HOOK for pack, _ in hooks)
+
+
+def _is_forward_hook(pack: Any) -> bool:
+    fn = inspect.unwrap(pack)
+    return getattr(fn, "__qualname__", "") == _FORWARD_HOOK and fn.__module__ == "torch.utils.checkpoint"
+
+
+def forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
+    """The `_CheckpointFrame`s of the checkpointed regions whose forward encloses this point (whose hooks are
+    `hooks`), outermost first."""
+    frames = []
+    for pack, _ in hooks:
+        if not _is_forward_hook(pack):
+            continue
+        fn = inspect.unwrap(pack)
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+        frame = cells["frame"].cell_contents if "frame" in cells else None
+        if not hasattr(frame, "recompute_fn"):
+            raise RuntimeError("bn='exact' does not know this version of torch.utils.checkpoint, whose region "
+                               "holds no recompute_fn: it cannot make BatchNorm inside the region exact")
+        frames.append(frame)
+    return frames

@@ -1,0 +1,9 @@
+"""Layer `intercept`: every normalization call of a step that couples a batch's samples, found and handed to the
+schedule; and what cannot be found, refused.
+
+`calls`: the TorchFunctionMode that routes each batch-statistics norm call to its schedule (`NormCalls`);
+`forwards`: the forwards torch's own layers get for a step, which spare them the mode's cost; `guards`: the
+layers and hooks no mode can see or make exact, refused before the step.
+
+Imports: the layers below (`bn`, `safety`, `memory`).
+"""

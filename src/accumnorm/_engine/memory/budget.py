@@ -1,0 +1,178 @@
+"""How much memory a step may take, what each exact schedule needs, and which one "auto" runs: `memory_budget=`.
+
+On a GPU, running out of memory is an exception the step can recover from; on a CPU, it is the kernel
+killing the process. So "auto" chooses before the memory is used, from measured figures: a step's need is
+the bytes of tensors its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage
+counted once, parameters not at all), per sample, as this model's last step with batches of this shape
+measured them, times the step's samples, plus the gradients it makes. Layerwise runs when its need fits the
+budget, recompute when its does, passes otherwise. A step with no figure yet runs metered: the meter stops it
+(`OverBudget`) as soon as what it keeps would pass the budget, before it does, and the step starts over in the
+next schedule. Recompute's figure is what its forward keeps (the regions' inputs, what runs outside them, the kept
+convolution outputs) and, reserved before its backward starts, the recomputation of its largest region for every
+micro-batch at once, which that backward holds. Its regions and kept outputs are chosen from the last step's
+measurements, so that each of its steps runs metered.
+
+The budget, by default: on CUDA the device's free memory, on the CPU the available memory (the kernel's
+MemAvailable), each less a tenth; `memory_budget` sets it in bytes.
+"""
+from __future__ import annotations
+
+import weakref
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.nn.parameter import is_lazy
+
+from ..._dist import unwrap_ddp
+from .store import Store
+
+__all__ = ["Choice", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget", "figures",
+           "format_bytes", "gradient_bytes", "last_schedule", "record_choice", "signature"]
+
+_MARGIN = 0.9  # of the free memory, the share a default budget takes
+
+
+class OverBudget(BaseException):
+    """A metered step's saved tensors would pass the budget (a BaseException: a user's `except Exception` must not
+    swallow it)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The schedule an exact step ran, and why: `accumnorm.last_schedule(model)`.
+
+    `need`: the bytes estimated (or measured, if larger) for the schedule that was judged last, `budget`: the
+    budget it was judged against; None where no budget decided (an explicit schedule).
+    """
+
+    schedule: str
+    reason: str
+    need: int | None = None
+    budget: int | None = None
+
+
+def check_budget(memory_budget: Any) -> None:
+    if memory_budget is None:
+        return
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int):
+        raise TypeError(f"memory_budget must be a number of bytes (an int) or None, got "
+                        f"{type(memory_budget).__name__} {memory_budget!r}")
+    if memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget}")
+
+
+def format_bytes(n: float) -> str:
+    """A size in the largest binary unit it reaches: `512 bytes`, `48.8 KiB`, `373 MiB`, `1.5 GiB`."""
+    if n < 1024:
+        return f"{n:.0f} bytes"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            break
+    return f"{n:.1f} {unit}" if n < 100 else f"{n:.0f} {unit}"
+
+
+def check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, size: int) -> None:
+    """Refuse, before anything runs, a budget below what even the passes schedule needs: the step's gradients, and
+    one micro-batch's saved tensors where an earlier step measured them."""
+    per_sample = max((v for (key, _), v in figures(model).items() if key == signature(micro_batch)), default=None)
+    need = gradient_bytes(model) + (0 if per_sample is None else int(per_sample * size))
+    if budget < need:
+        raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs about {need} bytes "
+                         f"(the step's gradients{', and one micro-batch' if per_sample is not None else ''}); "
+                         "give a larger budget, or a smaller micro_batch_size")
+
+
+def default_budget(device: torch.device) -> int | None:
+    """A tenth less than the free memory where the model is: None where it cannot be read (no limit)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * _MARGIN)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * _MARGIN)
+    except OSError:
+        pass
+    return None
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """The bytes of the gradients a step makes (fresh ones: the caller's are set aside until it commits); a lazy
+    parameter, whose size its first forward decides, counts nothing yet."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and not is_lazy(p))
+
+
+def signature(micro_batch: Any) -> tuple:
+    """What a figure per sample depends on besides the model: each tensor's shape past dim 0, and dtype."""
+    leaves = micro_batch.values() if isinstance(micro_batch, dict) else (
+        micro_batch if isinstance(micro_batch, (list, tuple)) else [micro_batch])
+    return tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in leaves)
+
+
+# model -> {(signature, schedule): saved bytes per sample}: the figures of its last metered steps
+_FIGURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, float]] = weakref.WeakKeyDictionary()
+_CHOICES: weakref.WeakKeyDictionary[nn.Module, Choice] = weakref.WeakKeyDictionary()
+
+
+def figures(model: nn.Module) -> dict[tuple, float]:
+    if model not in _FIGURES:
+        _FIGURES[model] = {}
+    return _FIGURES[model]
+
+
+def record_choice(model: nn.Module, choice: Choice) -> None:
+    _CHOICES[model] = choice
+
+
+def last_schedule(model: nn.Module) -> Choice | None:
+    """The exact schedule `accumnorm.backward` last ran on `model`, and why (None before any exact step).
+
+    Example::
+
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=4)
+        accumnorm.last_schedule(model)   # Choice(schedule='layerwise', reason='it fits the memory budget', ...)
+    """
+    return _CHOICES.get(unwrap_ddp(model, None)[0])
+
+
+class Meter:
+    """Saved-tensor hooks that count the bytes autograd keeps (a storage once, parameters not at all) and raise
+    `OverBudget` once they pass `limit`; they pass each tensor on to `store`'s hooks, if any. `reserve` counts what
+    the step will hold beside them in its backward, for each of its `samples`."""
+
+    def __init__(self, limit: float | None, store: Store | None, samples: int) -> None:
+        self.limit, self.store, self.samples = limit, store, samples
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def reserve(self, per_sample: float) -> None:
+        """Count `per_sample` bytes for each of the step's samples (a region's recomputation in the backward, for every
+        micro-batch at once), before the backward makes them; raise `OverBudget` if the budget has no room for them."""
+        self.bytes += int(per_sample * self.samples)
+        self._check()
+
+    def _check(self) -> None:
+        if self.limit is not None and self.bytes > self.limit:
+            raise OverBudget
+
+    def hooks(self) -> AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: Tensor) -> Any:
+        if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+                self._check()
+        return t if self.store is None else self.store.pack(t)
+
+    def unpack(self, packed: Any) -> Tensor:
+        return packed if self.store is None else self.store.unpack(packed)

@@ -1,0 +1,38 @@
+"""The one interface every schedule has: `Schedule.run(step, store)`.
+
+A schedule runs a step's micro-batches: their forwards (each micro-batch's `step.forward(k)`), the backward
+that adds the whole batch's gradient into the fresh `.grad`s, and in exact mode the meeting of the micro-batches
+at each BatchNorm call (`step.meeting`, `step.ledger`). It fills `step.losses`. `store` is where it keeps the
+tensors saved for the backward, when that is not where they are made: saved-tensor hooks (`memory.store`, or
+"auto"'s `memory.budget.Meter`, which also stops a step that would pass its budget), or None.
+
+Each schedule says what "auto" may make of it (`exact`, `metered`, `remeasured`); `registry` lists them in the
+order "auto" tries them, and `decide` chooses.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from ..memory.budget import Meter
+from ..memory.store import Store
+from ..step.step import Step
+
+__all__ = ["Schedule"]
+
+
+class Schedule(ABC):
+    """A way to run a step's micro-batches (module doc)."""
+
+    name: ClassVar[str]
+    #: whether it makes BatchNorm exact for any model (not only for one without batch statistics).
+    exact: ClassVar[bool] = True
+    #: whether it keeps its saved tensors through `store`, so that "auto" can meter it and stop it at its budget;
+    #: a schedule that cannot be metered is "auto"'s last resort.
+    metered: ClassVar[bool] = True
+    #: whether what it keeps depends on the last step's measurements, so that "auto" meters it at every step.
+    remeasured: ClassVar[bool] = False
+
+    @abstractmethod
+    def run(self, step: Step, store: Store | Meter | None) -> None:
+        """Run `step` (module doc)."""

@@ -1,0 +1,219 @@
+"""Which schedule runs a step: the one asked for, "auto"'s choice by memory, and every fallback. The one place.
+
+`bn="micro"` runs plain accumulation. An exact schedule asked for runs as asked; recompute falls back to
+layerwise, with a warning, where a region's forward changed its state (`RegionStateChanged`, handled in
+`_attempt` alone). Under "auto", a whole-batch loss over a model without batch statistics runs one micro-batch
+at a time (GradCache's scheme, exact there); otherwise the schedules of the table (`registry`) are judged in
+order by this model's figure for batches of this shape, when an earlier step measured one, before they run;
+without a figure one runs metered, and stops once what it keeps would pass the budget (`memory.budget`). On
+CUDA, an out-of-memory error sends the step to the next schedule as well; the table's unmetered schedule
+(passes) is the last resort. Under a process group every rank runs the same schedule (its met calls are
+collectives): the ranks agree on one before the step, from the figures of earlier steps, and it runs to the
+end, measuring for the next step.
+
+Each schedule tried gets a fresh `Step` from `new_step()`; one that cannot run the step exactly is undone by
+`start_over` before the next begins, so the step that returns is the one that ran from the start. What ran and
+why is kept for `accumnorm.last_schedule(model)`; the first time a model leaves layerwise, a warning says so.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..._warn import warn_at_caller
+from ..checkpointing.checkpointed import RegionStateChanged
+from ..intercept.guards import has_norm_statistics, refuse_node_backward_hooks, refuse_unseen_batch_norms
+from ..memory.budget import Choice, Meter, OverBudget, figures, format_bytes, gradient_bytes, record_choice, signature
+from ..memory.store import Store
+from ..step.step import Step
+from .base import Schedule
+from .registry import SCHEDULES
+
+__all__ = ["refuse_before_step", "run_step"]
+
+_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models told once that auto left layerwise
+
+
+def refuse_before_step(names: dict[nn.Module, str], schedule: str) -> None:
+    """An exact step's refusals, before anything runs, of what the schedule asked for could not see or make exact
+    (`names`: the model's modules); "auto" is judged as layerwise, the schedule it tries first (passes, its last
+    resort, is judged again before it runs)."""
+    refuse_unseen_batch_norms(names, schedule if schedule in ("passes", "recompute") else "layerwise")
+    refuse_node_backward_hooks(names)
+
+
+def run_step(new_step: Callable[[], Step], schedule: str, store: Store | None, start_over: Callable[[Step], None],
+             samples: int, budget: int | None) -> Step:
+    """Run the step under the schedule asked for (module doc): `schedule` is backward's argument, `budget` the bytes
+    "auto" may let it keep (None: any), `samples` the step's; returns the step that ran."""
+    step = new_step()
+    if not step.exact:
+        SCHEDULES["plain"].run(step, store)
+        return step
+    if schedule != "auto":
+        return _asked_for(SCHEDULES[schedule], step, new_step, store, start_over)
+    if step.objective.whole and not has_norm_statistics(step.modules):
+        # No layer with batch statistics: one micro-batch at a time (GradCache's scheme) is exact too, in the
+        # memory of one micro-batch; a functional batch-norm call met on the way sends the step to layerwise.
+        try:
+            with step.norm_calls(_refuse_statistics, _refuse_statistics):
+                SCHEDULES["plain"].run(step, store)
+            return step
+        except _NoStatistics:
+            start_over(step)
+            step = new_step()
+    if step.collectives.group is not None:
+        return _agreed(step, new_step, store, start_over, samples, budget)
+    return _auto(step, new_step, store, start_over, samples, budget)
+
+
+class _NoStatistics(BaseException):
+    """Ends a one-micro-batch-at-a-time run of a whole-batch loss that met a norm call with batch statistics."""
+
+
+def _refuse_statistics(call: Any) -> Tensor:
+    raise _NoStatistics
+
+
+def _attempt(schedule: Schedule, step: Step, store: Store | Meter | None) -> str | None:
+    """Run `schedule`; None once it ran, or why it could not run this step exactly (a region whose forward changed its
+    state, found before any backward)."""
+    try:
+        schedule.run(step, store)
+    except RegionStateChanged as e:
+        return str(e)
+    return None
+
+
+def _asked_for(schedule: Schedule, step: Step, new_step: Callable[[], Step], store: Store | None,
+               start_over: Callable[[Step], None]) -> Step:
+    """The schedule asked for; layerwise, with a warning, where it cannot run the step exactly."""
+    why = _attempt(schedule, step, store)
+    if why is None:
+        record_choice(step.model, Choice(schedule.name, "asked for"))
+        return step
+    start_over(step)
+    warn_at_caller(f"accumnorm.backward: {why}; using the layerwise schedule, which runs every forward once",
+                   RuntimeWarning)
+    step = new_step()
+    SCHEDULES["layerwise"].run(step, store)
+    record_choice(step.model, Choice("layerwise", f"{schedule.name} was asked for, but {why}"))
+    return step
+
+
+def _by_memory() -> list[Schedule]:
+    """The exact schedules "auto" judges by memory, fastest first."""
+    return [s for s in SCHEDULES.values() if s.exact and s.metered]
+
+
+def _last_resort() -> Schedule:
+    """The exact schedule that keeps least, which "auto" runs when no other fits: the table's unmetered one."""
+    return next(s for s in SCHEDULES.values() if s.exact and not s.metered)
+
+
+def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_over: Callable[[Step], None],
+          samples: int, budget: int | None) -> Step:
+    """Run the step under the first schedule that fits `budget` (None: any fits); fills the step as that one does."""
+    model = step.model
+    key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
+    known = figures(model)
+    reasons: list[str] = []
+    for schedule in _by_memory():
+        name = schedule.name
+        need = _known_need(known, key, name, grads, samples, budget, reasons)
+        if need is not None and budget is not None and need > budget:
+            continue
+        metered = need is None or schedule.remeasured
+        meter = Meter(None if budget is None else budget - grads, store, samples) if metered else None
+        try:
+            why = _attempt(schedule, step, meter or store)
+        except OverBudget:
+            known[(key, name)] = meter.bytes / samples
+            reasons.append(f"{name} would keep more than {format_bytes(budget)} (this step's meter stopped it first)")
+        except torch.OutOfMemoryError as e:
+            reasons.append(f"{name} ran out of memory ({e})")
+        else:
+            if why is None:
+                if meter is not None:
+                    known[(key, name)] = meter.bytes / samples
+                    need = grads + meter.bytes
+                record_choice(model, Choice(name, "; ".join(reasons) or "it fits the memory budget", need, budget))
+                _tell(model, name, reasons, budget)
+                return step
+            reasons.append(why)
+        start_over(step)
+        step = new_step()
+    return _run_last_resort(step, reasons, budget)
+
+
+def _known_need(known: dict, key: Any, name: str, grads: int, samples: int, budget: int | None,
+                reasons: list[str]) -> int | None:
+    """What `name` would keep, by this model's figure from an earlier step (None: no figure); one over `budget` is
+    said in `reasons`."""
+    per_sample = known.get((key, name))
+    need = None if per_sample is None else grads + int(per_sample * samples)
+    if need is not None and budget is not None and need > budget:
+        reasons.append(f"{name} would keep about {format_bytes(need)} (measured at an earlier step)")
+    return need
+
+
+def _run_last_resort(step: Step, reasons: list[str], budget: int | None) -> Step:
+    """The step under the last resort, saying why."""
+    schedule = _last_resort()
+    refuse_unseen_batch_norms(step.modules, schedule.name)
+    record_choice(step.model, Choice(schedule.name, "; ".join(reasons), None, budget))
+    _tell(step.model, schedule.name, reasons, budget)
+    schedule.run(step, None)
+    return step
+
+
+def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start_over: Callable[[Step], None],
+            samples: int, budget: int | None) -> Step:
+    """Under a process group: every rank must run the same schedule, whose met calls are collectives. Each rank
+    names the first schedule that this model's figures from earlier steps say fits (one without a figure fits),
+    the ranks take the last named, and it runs to the end: no rank stops on its own meter, which the others would
+    wait on. The step measures what it keeps, for the next step's choice."""
+    model = step.model
+    key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
+    known = figures(model)
+    reasons: list[str] = []
+    order = [*_by_memory(), _last_resort()]
+    for schedule in order[:-1]:
+        need = _known_need(known, key, schedule.name, grads, samples, budget, reasons)
+        if need is None or budget is None or need <= budget:
+            break
+    else:
+        schedule = order[-1]
+    device = step.parameters[0].device if step.parameters else torch.device("cpu")
+    agreed = order[step.collectives.max_(order.index(schedule), device)]
+    if agreed is not schedule:
+        reasons.append(f"another rank of the process group needs {agreed.name}")
+    if agreed is order[-1]:
+        return _run_last_resort(step, reasons, budget)
+    meter = Meter(None, store, samples)  # measures, never stops
+    why = _attempt(agreed, step, meter)
+    if why is not None:  # found by every rank alike, before any backward
+        start_over(step)
+        step, agreed, meter = new_step(), SCHEDULES["layerwise"], Meter(None, store, samples)
+        reasons.append(why)
+        agreed.run(step, meter)
+    known[(key, agreed.name)] = meter.bytes / samples
+    record_choice(model, Choice(agreed.name, "; ".join(reasons) or "it fits the memory budget",
+                                grads + meter.bytes, budget))
+    _tell(model, agreed.name, reasons, budget)
+    return step
+
+
+def _tell(model: nn.Module, name: str, reasons: list[str], budget: int | None) -> None:
+    if name == "layerwise" or model in _WARNED:
+        return
+    _WARNED.add(model)
+    within = "" if budget is None else f" within the memory budget of {format_bytes(budget)}"
+    warn_at_caller(f"accumnorm.backward(schedule='auto'): running the {name} schedule{within}: "
+                   f"{'; '.join(reasons)}. accumnorm.last_schedule(model) tells what each step ran; this warning is "
+                   "given once per model", RuntimeWarning)

@@ -1,0 +1,305 @@
+"""The passes schedule: exact BatchNorm in 2L + 1 passes over the micro-batches, recomputing everything.
+
+A BN call's statistics depend on every BN call below it, and its backward sums, sum(dy) and
+sum(dy * x_hat), on every BN call above it. With L BN calls and nothing kept between passes:
+
+  1. L statistics passes, bottom up: pass j runs the forward up to call j (calls below use their
+     now-known whole-batch statistics), adds each micro-batch's moments there, and stops.
+  2. Backward sums, top down. Calls t..L-1 (the top ones) each get a "sums pass": forward with grad
+     from call j up, backward down to call j's input, where its sums are added up.
+  3. One full pass: forward and backward of every micro-batch, accumulating parameter gradients.
+     Calls >= t back-propagate exactly (their sums are known); calls < t back-propagate only
+     weight * invstd * dy and add their sums (not yet complete: the corrections below feed them).
+  4. Correction passes for calls t-1..0, top down: once call j's sums are complete, its missing
+     backward term, -weight * invstd * (sum(dy) + x_hat * sum(dy * x_hat)) / N, is a known function
+     of the micro-batch's own input. Each pass runs the forward up to call j and back-propagates that
+     term from there (gradients are linear, so adding it later is exact), adding to the sums below.
+
+That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows (a whole-batch loss adds one: every
+micro-batch's outputs, for the loss's gradient at each). A sums pass costs the network above its call, a
+correction pass the part below, so the split `t` puts the bottom half under corrections (t = 0 with a module's
+full backward hook, which sees no gradient that enters the module's input without passing its output, as a
+correction does). Memory stays that of one micro-batch. Every pass replays the micro-batch's random numbers
+and runs with grad, as one forward would; a backward inside a forward that reaches a BN call, or the parameters
+before the full pass, would count once per pass: refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...functional import Moments, moments
+from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
+from ..intercept.calls import BNCall, INCall
+from ..memory.budget import Meter
+from ..memory.store import Store
+from ..safety.threadstate import autocast_cache_off
+from ..step.outputs import OutputGrads, without_graph
+from ..step.running import RunningStatistics
+from ..step.step import Step
+from .base import Schedule
+
+__all__ = ["Passes"]
+
+
+class _Stop(BaseException):
+    """Ends a truncated pass at its target BN call. A BaseException so user `except Exception` won't eat it."""
+
+
+# What `_forward` returns for a forward that a truncated pass stopped (not None: a forward_fn may return None).
+_STOPPED = object()
+
+
+class _PassCall:
+    """One BatchNorm call of the forward: its whole-batch statistics and backward sums."""
+
+    def __init__(self, first: BNCall) -> None:
+        self.first = first  # micro-batch 0's piece of the call, as the statistics pass met it
+        self.parts: list[Moments] = []  # per-micro-batch moments during its statistics pass
+        self.rows = 0  # and the samples they come from
+        self.sums: GradSums | None = None
+        self.input: Tensor | None = None  # the BN input of the current micro-batch, for sums/correction passes
+        self.running: tuple[Tensor, Tensor | None] | None = None  # its running statistics once it moved them
+
+    @property
+    def stats(self) -> Moments:
+        return self.first.stats
+
+
+class _Passes:
+    STATS, SUMS, FULL, CORRECT = "stats", "sums", "full", "correct"
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        self.calls: list[_PassCall] = []
+        self.mode, self.target = self.STATS, 0
+        self.k = 0  # the micro-batch being run
+        self.index = 0  # BN calls seen so far in its current forward
+        self.instance_norms = 0  # InstanceNorm calls seen so far in its current forward
+        self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
+        self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
+        self.grads_before = step.grad_versions()  # the parameters' .grad before the full pass
+        self.running = RunningStatistics()
+
+    def run(self) -> None:
+        with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
+                _graphs_made_before():
+            self._statistics()
+            if self.step.objective.whole:
+                self._output_gradients()
+            self.grads_before = self.step.grad_versions()
+            # The bottom half gets correction passes; with a module's full backward hook in the model, none does: such
+            # a hook sees no gradient that enters the module's input without leaving its output, as a correction does.
+            t = 0 if _has_backward_hooks(self.step.model) else len(self.calls) // 2
+            for j in reversed(range(t, len(self.calls))):
+                self._sums_pass(j)
+            self._full_pass(t)
+            for j in reversed(range(t)):
+                self._finish_sums(self.calls[j])
+                self._correction_pass(j)
+
+    # ---------------------------------------------------------------- what each BatchNorm call does
+    def _batch_norm(self, bn: BNCall) -> Tensor:
+        i, self.index = self.index, self.index + 1
+        if i == len(self.calls) and self.mode == self.STATS and i == self.target:
+            # The first time a forward gets this deep: a new call (its input without the graph below, which goes).
+            self.calls.append(_PassCall(dataclasses.replace(bn, input=bn.input.detach())))
+        if i >= len(self.calls):
+            raise self._not_the_same(self.k, f"BatchNorm call {i} ({self.step.describe(bn)})")
+        call = self.calls[i]
+        # Each micro-batch's forward is its own call of torch's: only autocast must agree.
+        self.step.meeting.check_same([call.first, bn], i, micro_batches=(0, self.k), grad_mode=False)
+        y = self._normalized(call, i, bn)
+        self.running.moved(call.first, call.running)
+        if y.grad_fn is not None:  # a backward through it from inside a forward is refused (`_inner_backward`)
+            y.grad_fn.register_prehook(self.step.inner_backward_refusal(bn, i, lambda: self.k if self.forwarding
+                                                                           else None))
+        return y
+
+    def _normalized(self, call: _PassCall, i: int, bn: BNCall) -> Tensor:
+        """Call i's output in the current pass (or _Stop at the pass's target)."""
+        x, w, b, eps = bn.input, bn.weight, bn.bias, bn.eps
+        mean, var = (None, None) if call.stats is None else (call.stats.mean, call.stats.var)
+        if i == self.target and self.mode in (self.STATS, self.CORRECT):
+            if self.mode == self.STATS:
+                call.parts.append(moments(x.detach()))
+                call.rows += x.shape[0]
+            else:
+                call.input = x
+            raise _Stop
+        if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
+            def output(x: Tensor) -> Tensor:
+                return normalize_with(x, mean, var, w, b, eps)
+        elif self.mode == self.SUMS and i == self.target:
+            grad = torch.is_grad_enabled()
+
+            def output(x: Tensor) -> Tensor:
+                return normalize(x.detach().requires_grad_(grad), mean, var, w, b, eps, call.sums)
+
+            # Back-propagation stops at this detached input: the pass only wants this call's sums.
+            call.input = x.detach().requires_grad_(grad)
+            y = normalize(call.input, mean, var, w, b, eps, call.sums)
+            self.step.regions.enter_forward_call(output)
+            return y
+        else:
+            def output(x: Tensor) -> Tensor:
+                return normalize(x, mean, var, w, b, eps, call.sums)
+
+        if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
+            self.step.regions.enter_forward_call(output)
+        return output(x)
+
+    def _instance_norm(self, call: INCall) -> Tensor:
+        if self.mode == self.FULL:  # each micro-batch's one complete forward
+            self.step.ledger.instance_norm(call, self.instance_norms, self.step.names)
+            self.instance_norms += 1
+        if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
+            self.step.regions.enter_instance_norm()
+        return call.output()
+
+    # ---------------------------------------------------------------- the passes
+    def _each(self):
+        """Each micro-batch index, with its random numbers from the start and the call counters reset."""
+        for k in range(len(self.step.micro_batches)):
+            self.k, self.index, self.instance_norms = k, 0, 0
+            self.running.restore()
+            self.step.rng.begin(k, restart=True)
+            try:
+                yield k
+            finally:
+                self.step.rng.end(k)
+            self.step.interrupts.check()
+
+    def _forward(self, k: int) -> Any:
+        """Micro-batch k's forward (its loss, or its outputs); _STOPPED if a truncated pass stopped it at its target."""
+        self.forwarding = True
+        try:
+            loss = self.step.forward(k)
+        except _Stop:
+            return _STOPPED
+        finally:
+            self.forwarding = False
+        if self.index != len(self.calls):
+            raise self._not_the_same(k, f"{self.index} BatchNorm calls")
+        return loss
+
+    def _not_the_same(self, k: int, made: str) -> ValueError:
+        """The refusal of micro-batch k's forward, which `made` other batch-statistics calls than the first run's."""
+        first = "its forward made the first time" if k == 0 else "micro-batch 0 made"
+        return ValueError(
+            f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order each time its "
+            f"forward runs, but micro-batch {k} made {made} where {first} {len(self.calls)}. The passes schedule runs "
+            "each micro-batch's forward 2L + 1 times: a function that changes the model (model.eval(), a module's "
+            "attribute) changes the runs after it. Nothing was changed. Use schedule='layerwise', which runs each "
+            "forward once")
+
+    def _statistics(self) -> None:
+        """Passes 1..L: whole-batch statistics, one BN call deeper per pass, until a forward completes."""
+        while True:
+            j = len(self.calls)
+            self.mode, self.target = self.STATS, j
+            for k in self._each():
+                if self._forward(k) is not _STOPPED:  # micro-batch 0 never reached call j: there are j
+                    self.step.refuse_grads_changed(self.grads_before, "each micro-batch's forward once per pass")
+                    return
+            call = self.calls[j]
+            self.step.meeting.check_count(call.rows, call.first.input.shape)
+            call.first.stats = self.step.meeting.joint_moments(call.parts)
+            factor = self.step.ledger.record(call.first, call.first.stats)
+            call.running = self.running.after(call.first, call.first.stats, factor)
+            call.parts = []
+            call.sums = GradSums(call.stats.mean.shape[0], call.stats.count)
+
+    def _output_gradients(self) -> None:
+        """With a whole-batch loss: every micro-batch's outputs (no graph, every call with its statistics), the loss
+        over all of them, and its gradient at each micro-batch's outputs, from which its backwards start."""
+        self.mode, self.target = self.STATS, len(self.calls)  # no call is the target: every forward completes
+        self.grads = OutputGrads([without_graph(self._forward(k)) for k in self._each()], self.step.backward)
+        self.step.losses.whole = self.grads.loss(self.step.objective.loss).detach()
+
+    def _backward_from(self, k: int, result: Any, inputs: list[Tensor] | None = None) -> None:
+        """Micro-batch k's backward from its loss (weighted) or its outputs (with their gradients)."""
+        if self.step.objective.whole:
+            self.grads.backward(k, result, inputs)
+        else:
+            self.step.backward(self.step.objective.weighted(result, k), inputs=inputs)
+
+    def _finish_sums(self, call: _PassCall) -> None:
+        """Call's sums are complete on this rank: reduce them across ranks and switch it to exact backward."""
+        sums = call.sums
+        both = self.step.collectives.sum_(torch.cat([sums.sum_dy, sums.sum_dy_xhat]))
+        sums.sum_dy, sums.sum_dy_xhat = both.chunk(2)
+        sums.collect = False
+
+    def _sums_pass(self, j: int) -> None:
+        self.mode, self.target = self.SUMS, j
+        call = self.calls[j]
+        for k in self._each():
+            result = self._forward(k)
+            # Only the sums (collected by the call's backward) matter, not the gradient itself.
+            if call.input.requires_grad:
+                self._backward_from(k, result, inputs=[call.input])
+        call.input = None
+        self.step.refuse_grads_changed(self.grads_before, "each micro-batch's forward once per pass")
+        self._finish_sums(call)
+
+    def _full_pass(self, t: int) -> None:
+        self.mode, self.target = self.FULL, t
+        for k in self._each():
+            result = self._forward(k)
+            if not self.step.objective.whole:
+                self.step.losses.micro[k] = result.detach()
+            self.step.graphs.check([(k, result)])  # a batch norm the passes did not make
+            self._backward_from(k, result)
+
+    def _correction_pass(self, j: int) -> None:
+        self.mode, self.target = self.CORRECT, j
+        call = self.calls[j]
+        first = call.first
+        for k in self._each():
+            self._forward(k)
+            x, call.input = call.input, None
+            if not x.requires_grad:  # nothing below this call learns: no correction to send down
+                return
+            mean, inv = call.stats.mean, invstd(call.stats.var, first.eps)
+            correction = call.sums.correction(x.detach().to(mean.dtype), mean, inv, scale(inv, first.weight))
+            self.step.backward(x, [correction.to(x.dtype)])
+
+
+@contextmanager
+def _graphs_made_before() -> Iterator[None]:
+    """torch's error for a second backward through a graph, said as what it means here."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "backward through the graph a second time" not in str(e):
+            raise
+        raise ValueError(
+            "bn='exact': the passes schedule back-propagates each micro-batch several times, and a loss_fn's tensor "
+            "whose graph was made before the step (a regularizer computed once outside loss_fn, a weight under "
+            "torch.nn.utils.parametrize.cached()) was back-propagated a second time. Nothing was changed. Make it "
+            "inside loss_fn, or use schedule='layerwise', which runs each forward once") from e
+
+
+def _has_backward_hooks(model: torch.nn.Module) -> bool:
+    """Whether a full backward hook (one that sees grad_input) may run on a module of the model."""
+    return bool(torch.nn.modules.module._global_backward_hooks) or any(m._backward_hooks for m in model.modules())
+
+
+class Passes(Schedule):
+    """Exact BatchNorm by the 2L + 1 passes of the module doc, in the memory of one micro-batch. It keeps nothing
+    beyond one micro-batch's forward, so "auto" runs it as its last resort, unmetered (`store` is not used)."""
+
+    name = "passes"
+    metered = False
+
+    def run(self, step: Step, store: Store | Meter | None) -> None:
+        try:
+            _Passes(step).run()
+        finally:
+            step.graphs.clear()

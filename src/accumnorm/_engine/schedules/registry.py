@@ -1,0 +1,15 @@
+"""The one table of schedules, in the order "auto" tries them: the fastest first, the leanest last.
+
+Adding a schedule is one module with a `Schedule` subclass and one entry here.
+"""
+from __future__ import annotations
+
+from .base import Schedule
+from .layerwise import Layerwise
+from .passes import Passes
+from .plain import Plain
+from .recompute import Recompute
+
+__all__ = ["SCHEDULES"]
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (Plain(), Layerwise(), Recompute(), Passes())}

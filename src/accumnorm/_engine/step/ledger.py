@@ -1,0 +1,138 @@
+"""A step's running-statistics ledger: the calls of the whole batch it made, and the one update each gets.
+
+A schedule counts each BatchNorm call of the whole batch (`count_call`: the factor its running statistics move
+by, 1 over the calls so far for a momentum=None layer); the layerwise schedule's met calls move them at the call,
+as torch's kernel does, and a schedule that meets the calls otherwise (passes) `record`s them, and each
+micro-batch's InstanceNorm calls (`instance_norm`), for one update per call at the step's end
+(`update_running_stats`). Every training forward of a BatchNorm layer bumps its `num_batches_tracked`: the step
+sets each counter to its value before the step plus the calls counted, and refuses a step whose forwards bumped
+one more often than it saw (`check_every_call_seen`: a call that normalized with one micro-batch's statistics).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..._dist import Collectives
+from ...functional import Moments, update_running_stats_
+from ..intercept.calls import BNCall, INCall, describe
+
+__all__ = ["Ledger"]
+
+
+@dataclass(eq=False)
+class _InstanceNormStats:
+    """One InstanceNorm call of the whole batch: the sums of its per-sample statistics over the micro-batches."""
+
+    call: INCall
+    count: int = 0
+    sum_mean: Tensor | float = 0.0
+    sum_var: Tensor | float = 0.0
+
+
+class Ledger:
+    """The BatchNorm and InstanceNorm calls of one step's whole batch, and their running-statistics updates."""
+
+    def __init__(self, tracked_before: dict[_BatchNorm, Tensor], collectives: Collectives) -> None:
+        # Each BatchNorm module's num_batches_tracked before the step: the micro-batch forwards bump it once per
+        # call each, whole-batch torch once per call.
+        self.tracked_before = tracked_before
+        self.collectives = collectives
+        self.calls_so_far: Counter[nn.Module] = Counter()  # whole-batch calls met, per BatchNorm module
+        self.seen: Counter[nn.Module] = Counter()  # the BatchNorm layers' forwards the schedule saw
+        self.tracked_versions = {m: m.num_batches_tracked._version for m in tracked_before}
+        self.batch_norms: list[tuple[BNCall, Moments, float | None]] = []  # recorded calls, to update at the end
+        self.instance_norms: list[_InstanceNormStats] = []
+
+    def record(self, call: BNCall, stats: Moments) -> float | None:
+        """Note a BatchNorm call of the whole batch, with its statistics, for the running-statistics update; the
+        factor they will move by."""
+        factor = self.count_call(call)
+        self.batch_norms.append((call, stats, factor))
+        return factor
+
+    def move_now(self, call: BNCall, stats: Moments) -> Moments:
+        """A met call across ranks, whose statistics are every rank's: its running statistics move now, as
+        torch.batch_norm moves them at the call in one process (a later read in the forward finds them moved)."""
+        factor = self.count_call(call)
+        if call.running_mean is not None:
+            update_running_stats_(call.running_mean, call.running_var, stats.mean, stats.unbiased_var, factor)
+        return stats
+
+    def count_call(self, call: BNCall) -> float | None:
+        """Count a BatchNorm call of the whole batch; the factor its running statistics move by."""
+        m = call.module
+        if call.counted:  # a BatchNorm layer's forward: torch counts it in num_batches_tracked
+            self.calls_so_far[m] += 1
+            if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
+                return 1.0 / float(self.tracked_before[m] + self.calls_so_far[m])
+        return call.momentum
+
+    def instance_norm(self, call: INCall, index: int, names: Mapping[nn.Module, str]) -> None:
+        """Add micro-batch's piece of InstanceNorm call `index` (in its forward) to the whole batch's statistics."""
+        if call.module is None:
+            raise ValueError(
+                f"bn='exact' met a F.instance_norm call over {call.input.shape[1]} channels whose running statistics "
+                "are not buffers of the model: make the layer part of the model")
+        if index == len(self.instance_norms):
+            self.instance_norms.append(_InstanceNormStats(call))
+        entry = self.instance_norms[index]
+        if entry.call.running_mean is not call.running_mean:
+            raise ValueError(f"bn='exact' needs every micro-batch to make the same InstanceNorm calls in the same "
+                             f"order; at InstanceNorm call {index} one made {describe(call, names)} where "
+                             f"micro-batch 0 made {describe(entry.call, names)}")
+        x = call.input.detach().flatten(2)
+        with torch.no_grad():  # torch's instance_norm: per-sample mean and unbiased variance, averaged over samples
+            var, mean = torch.var_mean(x if x.dtype == torch.float64 else x.float(), dim=2, correction=1)
+        entry.count += call.input.shape[0]
+        entry.sum_mean = entry.sum_mean + mean.sum(0)
+        entry.sum_var = entry.sum_var + var.sum(0)
+
+    def update_running_stats(self) -> None:
+        """The running-statistics updates of the calls `record`ed, and of InstanceNorm's, one per call in forward
+        order, as torch's whole-batch forward makes them; each BatchNorm's num_batches_tracked one up per call."""
+        for call, stats, factor in self.batch_norms:
+            if call.running_mean is not None:
+                update_running_stats_(call.running_mean, call.running_var, stats.mean, stats.unbiased_var, factor)
+        for entry in self.instance_norms:
+            count = entry.sum_mean.new_full((1,), entry.count)
+            total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
+            n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
+            update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
+        with torch.no_grad():
+            for layers in self.counted_layers_by_device():  # one foreach op per device, not two ops per layer
+                torch._foreach_copy_([m.num_batches_tracked for m in layers],
+                                     torch._foreach_add([self.tracked_before[m] for m in layers],
+                                                        [self.calls_so_far.get(m, 0) for m in layers]))
+
+    def counted_layers_by_device(self) -> list[list[_BatchNorm]]:
+        """The BatchNorm layers whose num_batches_tracked the step counts, grouped by the counter's device (for ops
+        over all of a device's counters at once)."""
+        by_device: dict[torch.device, list[_BatchNorm]] = {}
+        for m in self.tracked_before:
+            by_device.setdefault(m.num_batches_tracked.device, []).append(m)
+        return list(by_device.values())
+
+    def check_every_call_seen(self, names: Mapping[nn.Module, str]) -> None:
+        """Each BatchNorm forward in training bumps num_batches_tracked: every bump must be a call the step saw.
+
+        A call that ran where no TorchFunctionMode reaches (TorchScript, a compiled graph, a thread of its own, C++)
+        normalized with one micro-batch's statistics: the step is refused rather than silently wrong.
+        """
+        tracked_before = self.tracked_before
+        for modules in self.counted_layers_by_device():
+            bumps = (torch.stack([m.num_batches_tracked for m in modules])
+                     - torch.stack([tracked_before[m] for m in modules])).tolist()
+            for m, bumped in zip(modules, bumps):
+                if bumped != self.seen.get(m, 0):
+                    raise ValueError(
+                        f"bn='exact' saw {self.seen.get(m, 0)} of the {bumped} training forwards of {type(m).__name__} "
+                        f"{names.get(m, '')}: the others ran where accumnorm cannot reach them (TorchScript, a "
+                        "torch.compile graph, a thread of their own, C++), with one micro-batch's statistics. Nothing "
+                        "was changed. Run that layer as Python in the calling thread, or pass bn='micro'")

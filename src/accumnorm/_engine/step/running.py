@@ -1,0 +1,63 @@
+"""Running statistics as the forwards of a schedule that runs them several times find them.
+
+The passes schedule runs each micro-batch's forward 2L + 1 times and updates the running statistics once, at
+the step's end, from the whole batch's statistics of each call. A forward may read them on its way (an
+eval-mode call on the same layer after its training call, a loss term, a teacher pass after the student's): it
+must find them as the whole batch's forward would at that point, moved by the calls before and by none after.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...functional import Moments, update_running_stats_
+from ..intercept.calls import BNCall
+
+__all__ = ["RunningStatistics"]
+
+
+class RunningStatistics:
+    """The running statistics as each forward of a pass finds them: as before the step at its start, and after
+    call i as the whole batch's forward leaves them after its call i (a forward may read them there: an eval-mode
+    call on the same layer, a loss term). The step's own update, at its end, starts from the values before it,
+    which the block puts back."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, tuple[Tensor, Tensor | None, Tensor, Tensor | None]] = {}  # id(running_mean) -> ...
+        self.now: dict[int, tuple[Tensor, Tensor | None]] = {}  # the values after the last call recorded
+
+    def after(self, call: BNCall, stats: Moments, factor: float | None) -> tuple[Tensor, Tensor | None] | None:
+        """The running statistics after `call`, a call of the whole batch with `stats` (the calls recorded in
+        forward order): its update applied to the values after the last call before it on the same tensors."""
+        mean, var = call.running_mean, call.running_var
+        if mean is None:
+            return None
+        if id(mean) not in self.before:
+            self.before[id(mean)] = (mean, var, mean.clone(), None if var is None else var.clone())
+        last_mean, last_var = self.now.get(id(mean), self.before[id(mean)][2:])
+        new = (last_mean.clone(), None if last_var is None else last_var.clone())
+        update_running_stats_(*new, stats.mean, stats.unbiased_var, factor)
+        self.now[id(mean)] = new
+        return new
+
+    def moved(self, call: BNCall, values: tuple[Tensor, Tensor | None] | None) -> None:
+        """A forward made `call`, whose running statistics are now `values` (None: not known yet, or none)."""
+        if values is not None:
+            _put(call.running_mean, call.running_var, *values)
+
+    def restore(self) -> None:
+        for mean, var, old_mean, old_var in self.before.values():
+            _put(mean, var, old_mean, old_var)
+
+    def __enter__(self) -> RunningStatistics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def _put(mean: Tensor, var: Tensor | None, new_mean: Tensor, new_var: Tensor | None) -> None:
+    with torch.no_grad():
+        mean.copy_(new_mean)
+        if var is not None:
+            var.copy_(new_var)

@@ -1,0 +1,85 @@
+"""benchmarks/_steps.py's floors, which bench_backward.py times beside the schedules: the lockstep floor beside
+layerwise (its interleaved forwards and whole-batch BatchNorm, nothing else), and the checkpointed floor beside
+recompute (plain accumulation with the regions recompute would choose each in torch's checkpoint)."""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+from torch.utils.checkpoint import checkpoint
+
+BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import _steps  # noqa: E402
+from _models import MODELS  # noqa: E402
+
+
+def _saved_bytes(step, model, batch) -> int:
+    """The bytes autograd saves in the step at the outermost level (a checkpointed region saves its inputs there)."""
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(model, batch, 4, MODELS["study"])
+    return saved[0]
+
+
+def test_the_checkpointed_floor_is_plain_accumulation_with_its_regions_recomputed():
+    model, batch = _steps.prepare("study", 16, 8, torch.device("cpu"))
+    plain, checkpointed = copy.deepcopy(model), copy.deepcopy(model)
+    plain_saved = _saved_bytes(_steps.plain_step, plain, batch)
+    checkpointed_saved = _saved_bytes(_steps.checkpointed_step, checkpointed, batch)
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert_close(b.grad, a.grad)
+    assert checkpointed_saved < plain_saved / 2  # the regions kept their inputs, not what they compute
+
+
+@pytest.mark.parametrize("name", ["study", "simclr"])  # a loss per micro-batch; one over the whole batch's outputs
+def test_the_lockstep_floor_makes_the_whole_batch_gradient_and_running_statistics(name):
+    model, batch = _steps.prepare(name, 16, 8, torch.device("cpu"))
+    whole, floor = copy.deepcopy(model), copy.deepcopy(model)
+    _steps.whole_step(whole, batch, 4, MODELS[name])
+    _steps.lockstep_step(floor, batch, 4, MODELS[name])
+    for a, b in zip(whole.parameters(), floor.parameters(), strict=True):
+        assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5)
+    for a, b in zip(whole.buffers(), floor.buffers(), strict=True):
+        assert_close(b, a)
+    assert all("forward" not in vars(m) for m in floor.modules())  # the layers' own forwards are back
+
+
+def test_the_lockstep_floor_refuses_a_model_whose_batch_norms_it_cannot_meet():
+    class Norm(torch.nn.BatchNorm1d):  # a subclass: its forward is anyone's
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), Norm(3))
+    case = _steps.Case(lambda: model, None, lambda m, x: m(x).square().mean())
+    with pytest.raises(_steps.NoFloor, match="BatchNorm1d/2d/3d layers in training mode only"):
+        _steps.lockstep_step(model, torch.randn(8, 3), 4, case)
+
+
+def test_the_lockstep_floor_refuses_batch_norm_in_a_checkpointed_region_and_leaves_no_hooks_behind():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            return checkpoint(self.second, self.first(x), use_reentrant=False)
+
+    model = Net()
+    case = _steps.Case(lambda: model, None, lambda m, x: m(x).square().mean())
+    with pytest.raises(_steps.NoFloor, match="inside a checkpointed region"):
+        _steps.lockstep_step(model, torch.randn(8, 3), 4, case)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_the_table_times_each_floor_beside_its_schedule():
+    assert _steps.timed_methods(["layerwise", "recompute", "passes"]) == [
+        "plain", "layerwise", "lockstep", "recompute", "checkpointed", "passes"]
+    assert _steps.timed_methods(["recompute", "passes"]) == ["plain", "recompute", "checkpointed", "passes"]

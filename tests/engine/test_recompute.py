@@ -1,0 +1,691 @@
+"""The recompute schedule and "auto"'s choice by memory, against whole-batch torch (the oracle suites run recompute
+too, through the `schedule` fixture): what it keeps for the backward, its refusals, the budget and its errors."""
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointError
+
+import accumnorm
+from accumnorm._engine.checkpointing import kept
+from accumnorm._engine.checkpointing import regions as regions_module
+from accumnorm._engine.checkpointing.regions import Run, choose_regions
+from helpers import SavedBytes, assert_unchanged, ce_loss, compare, rel_err, snapshot, whole_batch
+from models import data
+
+
+class Block(nn.Module):
+    """A residual block: conv-BN-tanh-conv-BN, added to its input (`mid` channels between the convolutions)."""
+
+    def __init__(self, c: int = 8, p: float = 0.0, mid: int | None = None) -> None:
+        super().__init__()
+        mid = c if mid is None else mid
+        self.c1, self.b1, self.c2, self.b2 = nn.Conv2d(c, mid, 3, padding=1), nn.BatchNorm2d(mid), \
+            nn.Conv2d(mid, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.p = p
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.b1(self.c1(x))), self.p, self.training)
+        return x + self.b2(self.c2(h))
+
+
+def net(block=Block, **kwargs) -> nn.Sequential:
+    """A stem and six blocks: the recompute schedule checkpoints the blocks (all but the last)."""
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh(),
+                         *[block(**kwargs) for _ in range(6)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 10)).double()
+
+
+def saved_peak(model: nn.Module, batch, schedule: str) -> int:
+    """The peak bytes the step keeps for its backward outside checkpointed regions."""
+    with SavedBytes(model.parameters()) as saved:
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    return saved.peak
+
+
+def test_recompute_is_exact_and_keeps_a_fraction_of_what_layerwise_keeps():
+    """Only the blocks' inputs and the stem stay for the backward: the BatchNorm inputs inside the blocks are not
+    kept in the driver either (they are saved in their regions' place)."""
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    layerwise = saved_peak(copy.deepcopy(model), batch, "layerwise")
+    with SavedBytes(model.parameters()) as saved:
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert saved.peak < 0.5 * layerwise, (saved.peak, layerwise)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_recompute_draws_the_dropout_masks_layerwise_draws():
+    """Dropout inside the regions: the recomputation replays the forward's draws, from each micro-batch's stream."""
+    model, batch = net(p=0.3), data((1, 8, 8), 8, torch.float64)
+    results = []
+    for schedule in ("layerwise", "recompute", "layerwise"):
+        m = copy.deepcopy(model)
+        torch.manual_seed(3 if len(results) < 2 else 4)
+        results.append((m, accumnorm.backward(m, batch, ce_loss, micro_batch_size=2, schedule=schedule)))
+    (a, loss_a), (b, loss_b), (c, _) = results
+    assert rel_err(loss_b, loss_a) < 1e-12
+    compare(a, b, 1e-9)
+    with pytest.raises(AssertionError):  # another seed, other masks: the comparison above can fail
+        compare(a, c, 1e-3)
+
+
+def test_hooks_inside_a_region_run_again_in_its_recomputation():
+    """As the docstring's warning says: a region's modules run in the forward and again in the backward."""
+    model, batch = net(), data((1, 8, 8), 8, torch.float64)
+    calls = {"first": 0, "last": 0, "head": 0}
+    model[3].b1.register_forward_hook(lambda *a: calls.__setitem__("first", calls["first"] + 1))
+    model[8].b1.register_forward_hook(lambda *a: calls.__setitem__("last", calls["last"] + 1))
+    model[11].register_forward_pre_hook(lambda *a: calls.__setitem__("head", calls["head"] + 1))
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert calls == {"first": 8, "last": 8, "head": 8}  # the head (pool, flatten, linear) is a run, too
+    # Measured, the head saves little against a block: from the next step on it runs as it is.
+    calls.update(first=0, last=0, head=0)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert calls == {"first": 8, "last": 8, "head": 4}
+
+
+def wide(block=Block) -> nn.Sequential:
+    """A stem and four blocks of 32 channels: each block's first 3x3 convolution sums 288 products per output value,
+    into 4 channels (an output a small share of its region's saved bytes; its second sums 36)."""
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(),
+                         *[block(c=32, mid=4) for _ in range(4)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(32, 10)).double()
+
+
+def count_convolutions(conv: nn.Conv2d) -> list[int]:
+    """How often `conv` computes its output (its `_conv_forward`), whoever calls it."""
+    runs = [0]
+    compute = conv._conv_forward
+
+    def counted(*args):
+        runs[0] += 1
+        return compute(*args)
+    conv._conv_forward = counted
+    return runs
+
+
+class InPlace(Block):
+    """A block whose first convolution's output is changed in place before its BatchNorm."""
+
+    def forward(self, x):
+        h = torch.tanh(self.b1(F.relu(self.c1(x), inplace=True)))
+        return x + self.b2(self.c2(h))
+
+
+class ThroughData(Block):
+    """A block that changes its first convolution's output through `.data`, which no version counter sees."""
+
+    def forward(self, x):
+        h = self.c1(x)
+        h.data.mul_(2)
+        return x + self.b2(self.c2(torch.tanh(self.b1(h))))
+
+
+@pytest.mark.parametrize("block", [Block, InPlace, ThroughData])
+def test_a_region_keeps_its_costly_convolutions_outputs_whatever_the_forward_does_to_them(block):
+    """A convolution of 32 channels at 3x3 (288 products per output value) keeps its output for its region's
+    recomputation, from the step after the one that measured it (the first block's first one: of equal reductions,
+    the first in the model's order fits in the allowance): it then runs once per micro-batch, as in plain
+    accumulation, where one of 8 channels runs twice (its region recomputes it). The region keeps a copy: an
+    output the forward changes in place afterwards (ReLU(inplace=True), or through .data, which no version
+    counter sees) is changed again by the recomputation, from the convolution's own output. Exact every time."""
+    model, batch = wide(block), data((1, 6, 6), 8, torch.float64)
+    assert model[3] in choose_regions(model)
+    ref = copy.deepcopy(model)
+    for step in range(2):
+        for m in (model, ref):
+            m.zero_grad()
+        expected = whole_batch(ref, batch)
+        conv = count_convolutions(model[3].c1)
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+        assert accumnorm.last_schedule(model).schedule == "recompute"
+        assert conv == [8 if step == 0 else 4]
+        assert rel_err(loss, expected) < 1e-12
+        compare(ref, model, 1e-9)
+    narrow = net()
+    for _ in range(2):
+        narrow_runs = count_convolutions(narrow[3].c1)
+        accumnorm.backward(narrow, data((1, 6, 6), 8, torch.float64), ce_loss, micro_batch_size=2,
+                           schedule="recompute")
+    assert narrow_runs == [8]
+
+
+def test_under_autocast_a_convolution_saves_a_copy_and_runs_again():
+    """Autocast saves the convolution's arguments as bfloat16 copies, which the recomputation cannot pack again
+    without running it: the convolution runs twice, as in any checkpointed region. The blocks stay regions once
+    measured: a region's saved bytes leave out its weights' bfloat16 copies, not their float32 size (which left
+    nothing, and every region ran as it is)."""
+    model, batch = wide().float(), data((1, 6, 6), 8, torch.float32)
+    for _ in range(2):
+        runs = count_convolutions(model[3].c1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+        assert accumnorm.last_schedule(model).schedule == "recompute"
+        assert all(model[i] in choose_regions(model) for i in range(3, 7))
+        assert runs == [8]
+        assert torch.isfinite(loss)
+
+
+def test_the_kept_outputs_fit_in_a_tenth_of_the_largest_regions_saved_bytes():
+    """Of the candidates (every block's first convolution), those of the largest reductions keep their outputs, as
+    many as fit in the allowance: a tenth of what the largest region saves, per sample."""
+    model = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.Tanh(),
+                          nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(),
+                          *[Block(c=32, mid=4) for _ in range(5)], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(32, 10)).double()
+    batch = data((1, 6, 6), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    regions = choose_regions(model)
+    allowance = regions_module.keep_allowance(regions)
+    candidates = [m for m in model.modules() if kept.keeps(m)]
+    sizes = [kept.output_bytes(m) for m in candidates if kept.output_bytes(m) is not None]
+    assert allowance > 0 and len(sizes) == 5
+    chosen = kept.choose(candidates, allowance)
+    assert 0 < len(chosen) < len(sizes)  # some fit, not all
+    assert sum(kept.output_bytes(m) for m in chosen) <= allowance
+    assert allowance == 0.1 * max(regions_module.measured_saved(regions))
+
+
+class Counting(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+class Tracking(Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen += x.shape[0]
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("block, what", [(Counting, "set its attribute 'calls'"),
+                                         (Tracking, "changed its buffer 'seen'")])
+def test_a_region_that_changes_its_state_runs_under_layerwise_with_a_warning(block, what):
+    model, batch = net(block), data((1, 8, 8), 8, torch.float64)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match=f"{what}.*recomputation would not be exact.*using the layerwise"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "layerwise"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_the_fallback_warning_points_at_the_line_that_called_the_trainer():
+    """Reached through the Trainer, one call deeper than through accumnorm.backward, the warning still names the
+    user's line, not accumnorm's."""
+    model, batch = net(Counting), data((1, 8, 8), 8, torch.float64)
+    trainer = accumnorm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=2,
+                                schedule="recompute")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.step(batch)
+    fallback = [w for w in caught if "using the layerwise schedule" in str(w.message)]
+    assert len(fallback) == 1 and fallback[0].filename == __file__, [(w.filename, w.lineno) for w in caught]
+
+
+def test_autos_warning_points_at_the_callers_line_and_gives_a_small_budget_in_a_unit_that_shows_it():
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    budget = 80_000  # more than the gradients, less than what layerwise or recompute keeps: passes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    told = [w for w in caught if "accumnorm.backward(schedule='auto')" in str(w.message)]
+    assert len(told) == 1 and told[0].filename == __file__, [(w.filename, w.lineno) for w in caught]
+    assert accumnorm.last_schedule(model).schedule == "passes"
+    assert "running the passes schedule within the memory budget of 78.1 KiB" in str(told[0].message)
+
+
+class Flips(Block):
+    """A block whose forward depends on `training` and on `flipped`, and saves nothing more for them."""
+
+    def forward(self, x):
+        h = torch.tanh(self.b1(self.c1(x)))
+        return x + self.b2(self.c2(h.flip(-1) if self.training != self.flipped else h))
+
+
+class Toggles(nn.Module):
+    """Runs its second block with `training` off for the call and back on after, as a parent may for one part."""
+
+    def __init__(self, attribute: str) -> None:
+        super().__init__()
+        self.attribute = attribute
+        self.stem = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh())
+        self.blocks = nn.ModuleList(Flips() for _ in range(3))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x):
+        x = self.stem(x)
+        for i, b in enumerate(self.blocks):
+            if i == 1:
+                during = self.attribute == "flipped"  # training off, or flipped on, for this call alone
+                setattr(b, self.attribute, during)
+                x = b(x)
+                setattr(b, self.attribute, not during)
+            else:
+                x = b(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("attribute", ["training", "flipped"])
+def test_a_region_called_with_its_state_switched_and_switched_back_runs_under_layerwise(attribute):
+    """The state a region's forward ran with must be the one its recomputation runs with, at the forward's end: a
+    flag switched around one call and back would make the recomputation another function (a gradient 0.67 off)."""
+    model = Toggles(attribute).double()
+    for b in model.blocks:
+        b.flipped = False
+    batch = data((1, 8, 8), 8, torch.float64)
+    assert model.blocks[1] in choose_regions(model)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match=f"called with its attribute '{attribute}' set otherwise.*using the "
+                                            "layerwise"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "layerwise"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_a_region_whose_recomputation_makes_more_batchnorm_calls_is_refused_and_changes_nothing():
+    calls: dict[int, int] = {}
+
+    class Unsteady(Block):
+        """Normalizes its input first from its fifth call on: in its recomputation, not in the step's 4 forwards."""
+
+        def forward(self, x):
+            calls[id(self)] = calls.get(id(self), 0) + 1
+            return super().forward(self.b1(x) if calls[id(self)] > 4 else x)
+
+    model, batch = net(Unsteady), data((1, 8, 8), 8, torch.float64)
+    snap = snapshot(model)
+    # The extra call takes the first call's recorded output, and torch's checkpoint finds what it saves misplaced.
+    with pytest.raises(CheckpointError, match="different metadata"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert_unchanged(model, snap)
+
+
+class ChangesSaved(Block):
+    """Changes tanh's output in place after tanh saved it for its backward, which autograd refuses."""
+
+    def forward(self, x):
+        h = torch.tanh(self.b1(self.c1(x)))
+        h.mul_(2)
+        return x + self.b2(self.c2(h))
+
+
+def test_a_saved_tensor_changed_in_place_in_a_region_is_refused_as_torch_refuses_it():
+    """Whole-batch torch raises "modified by an inplace operation" at the backward. A checkpointed region saves
+    placeholders, which autograd cannot check, and its recomputation changes the tensor again: the backward would
+    read the changed one (a gradient 27x off). The region's recomputation notes each saved tensor's version, and the
+    backward refuses as torch's does, with nothing changed."""
+    model, batch = net(ChangesSaved), data((1, 8, 8), 8, torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        whole_batch(copy.deepcopy(model), batch)
+    snap = snapshot(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*recompute schedule.*Nothing was changed"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert_unchanged(model, snap)
+
+
+# ---------------------------------------------------------------- runs of an nn.Sequential's children
+
+
+def stack(cls=nn.Sequential, affine: bool = True) -> nn.Sequential:
+    """A VGG-like stack of single layers (no block to checkpoint whole): conv-BN-tanh-pool four times, a head."""
+    layers: list[nn.Module] = []
+    c0 = 1
+    for c in (4, 6, 8, 8):
+        layers += [nn.Conv2d(c0, c, 3, padding=1), nn.BatchNorm2d(c, affine=affine), nn.Tanh(),
+                   nn.AvgPool2d(2, ceil_mode=True)]
+        c0 = c
+    return cls(*layers, nn.Flatten(), nn.Linear(c0, 10)).double()
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_a_stack_of_single_layers_is_checkpointed_in_runs_of_its_children_exactly(affine):
+    """The Sequential's children are gathered into runs, each one checkpointed region: the step keeps a fraction of
+    what layerwise keeps, exactly, and every child's hooks run as torch runs them, twice in a checkpointed run."""
+    model, batch = stack(affine=affine), data((1, 16, 16), 8, torch.float64)
+    runs = [r for r in choose_regions(model) if isinstance(r, Run)]
+    assert runs and all(r.parent is model and r.stop - r.start >= 2 for r in runs), runs
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    layerwise = saved_peak(copy.deepcopy(model), batch, "layerwise")
+    calls = {"first": 0, "pre": 0, "head": 0}
+    model[1].register_forward_hook(lambda *a: calls.__setitem__("first", calls["first"] + 1))
+    model[2].register_forward_pre_hook(lambda *a: calls.__setitem__("pre", calls["pre"] + 1))
+    model[17].register_forward_pre_hook(lambda *a: calls.__setitem__("head", calls["head"] + 1))
+    with SavedBytes(model.parameters()) as saved:
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert saved.peak < 0.5 * layerwise, (saved.peak, layerwise)
+    assert calls == {"first": 8, "pre": 8, "head": 8}
+    assert "forward" not in vars(model)  # the Sequential's own forward again after the step
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+class TwoPaths(nn.Module):
+    """`body` under two names, the forward calling it through the second."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body, self.alias = body, body
+
+    def forward(self, x):
+        return self.alias(x)
+
+
+@pytest.mark.slow
+def test_a_sequential_reached_by_two_paths_is_cut_into_each_run_once():
+    """A module reached twice in the walk (here under two names, as torch.compile's wrapper holds its module) gives
+    its runs once: a run given twice ran its children twice over, into a shape error."""
+    model, batch = TwoPaths(stack()), data((1, 16, 16), 8, torch.float64)
+    runs = [(r.start, r.stop) for r in choose_regions(model) if isinstance(r, Run)]
+    assert runs and len(runs) == len(set(runs)), runs
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+class OwnForward(nn.Sequential):
+    """A Sequential with a forward of its own: the step cannot run its children in runs."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_a_sequential_with_a_forward_of_its_own_is_not_cut_into_runs():
+    model, batch = stack(OwnForward), data((1, 16, 16), 8, torch.float64)
+    assert not any(isinstance(r, Run) for r in choose_regions(model))
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+class Stash(nn.Module):
+    """Keeps its input as an attribute: a change to the module's state in the forward."""
+
+    def forward(self, x):
+        self.last = x
+        return x
+
+
+def test_a_run_whose_child_changes_its_state_runs_under_layerwise_with_a_warning():
+    model = stack()
+    model.insert(1, Stash())  # inside the first run
+    batch = data((1, 16, 16), 8, torch.float64)
+    assert any(isinstance(r, Run) and r.start <= 1 < r.stop for r in choose_regions(model))
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="Stash.*set its attribute 'last'.*using the layerwise"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "layerwise"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+class ConvBN(nn.Module):
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.tanh(self.bn(self.conv(x)))
+
+
+class Looped(nn.Module):
+    """Calls its Sequential's children itself, as ultralytics' detectors do: the Sequential's forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 6, 3, padding=1)
+        self.layers = nn.Sequential(*[ConvBN() for _ in range(12)])
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for m in self.layers:
+            x = m(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_sequentials_children_of_several_layers_stay_regions_of_their_own():
+    """Small blocks of two layers are regions alone, not runs, which only a call of the Sequential's forward would
+    checkpoint: here the model loops over the children itself, and recompute still keeps a fraction of layerwise."""
+    model, batch = Looped().double(), data((1, 12, 12), 8, torch.float64)
+    assert not any(isinstance(r, Run) for r in choose_regions(model))
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    layerwise = saved_peak(copy.deepcopy(model), batch, "layerwise")
+    with SavedBytes(model.parameters()) as saved:
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert saved.peak < 0.5 * layerwise, (saved.peak, layerwise)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+class Stage(nn.Module):
+    """A stage that iterates its blocks itself, as ultralytics' C2f does: its ModuleList is never called."""
+
+    def __init__(self, c: int = 6) -> None:
+        super().__init__()
+        self.first, self.blocks = ConvBN(c), nn.ModuleList([ConvBN(c), ConvBN(c)])
+
+    def forward(self, x):
+        x = self.first(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Detector(nn.Module):
+    """Loops over its Sequential's children, pooling between stages; two parameter-free children sit side by side,
+    a run that the Sequential's forward would checkpoint, but it is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 6, 3, padding=1)
+        self.layers = nn.Sequential(Stage(), nn.Identity(), nn.Identity(), Stage(), Stage(), Stage())
+        self.head = nn.Linear(6, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for i, m in enumerate(self.layers):
+            x = F.avg_pool2d(m(x), 2) if i in (0, 3) else m(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_region_that_never_runs_leaves_the_measured_ones_weighed():
+    """A ModuleList is no region (its blocks are), and a run that never runs is not measured. Once a step has
+    measured the rest, the least-saving regions run as they are and the kept outputs get their allowance: one
+    unmeasured region used to leave every region checkpointed and the allowance at nothing."""
+    model, batch = Detector().double(), data((1, 16, 16), 8, torch.float64)
+    before = choose_regions(model)
+    assert not any(isinstance(r, nn.ModuleList) for r in before)
+    assert model.layers[0].blocks[0] in before and any(isinstance(r, Run) for r in before)
+    ref = copy.deepcopy(model)
+    for _ in range(2):
+        expected = whole_batch(ref, batch)
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+        assert rel_err(loss, expected) < 1e-12
+        compare(ref, model, 1e-9)
+    after = choose_regions(model)
+    assert len(after) < len(before) and model.layers[0].blocks[0] in after
+    assert regions_module.keep_allowance(after) > 0
+
+
+def live_peak(step) -> int:
+    """The peak bytes of live tensors while `step()` runs (torch's CPU allocator, as the profiler records it)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_a_met_call_in_regions_holds_no_more_than_its_input_and_one_more_tensor_of_the_whole_batch():
+    """A wide first BatchNorm (everything else small): a met call inside regions makes no concatenated copy of its
+    input, the driver lets go of each micro-batch's piece as it resumes it, and the backward lets go of each piece
+    once its gradient is made; so the step's peak stays near two whole-batch tensors of that size (the input and
+    the output in the forward; the input and its gradient in the backward), not three or more."""
+    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
+                          nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
+                          nn.Flatten(), nn.Linear(4, 10)).double()
+    batch = data((1, 32, 32), 16, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")  # first calls' caches
+    model.zero_grad(set_to_none=True)
+    wide = 16 * 32 * 32 * 32 * 8  # the first BatchNorm's input (and output) of the whole batch
+    peak = live_peak(lambda: accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute"))
+    assert peak < 2.5 * wide, (peak / wide)
+
+
+# ---------------------------------------------------------------- "auto" and memory_budget
+
+
+def figures(model: nn.Module, batch) -> tuple[int, int, int]:
+    """Gradient bytes, and what layerwise and recompute keep for the backward, measured on copies of `model`."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    return grads, saved_peak(copy.deepcopy(model), batch, "layerwise"), saved_peak(copy.deepcopy(model), batch,
+                                                                                  "recompute")
+
+
+def test_auto_runs_recompute_where_layerwise_would_pass_the_budget_exactly_and_says_so():
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    grads, layerwise, recompute = figures(model, batch)
+    budget = grads + (layerwise + recompute) // 2
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="running the recompute schedule within the memory budget.*layerwise"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "recompute" and choice.budget == budget and "layerwise" in choice.reason
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+    # The next step knows the figures: straight to recompute, exact again, and no second warning.
+    for m in (model, ref):
+        m.zero_grad()
+    expected = whole_batch(ref, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert "measured at an earlier step" in accumnorm.last_schedule(model).reason
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_auto_runs_passes_where_recompute_would_pass_the_budget_too():
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    grads, _, recompute = figures(model, batch)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + recompute // 2)
+    assert accumnorm.last_schedule(model).schedule == "passes"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def wide_first() -> nn.Sequential:
+    """A VGG-like stack whose first BatchNorm is wide and everything after it small: what recompute's forward keeps
+    (the regions' inputs) is little, what its backward recomputes for the first region is a lot."""
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
+                         nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
+                         nn.Flatten(), nn.Linear(4, 10)).double()
+
+
+def test_auto_counts_recomputes_backward_before_it_runs_and_runs_passes_where_only_the_forward_fits():
+    """The backward recomputes the first region for every micro-batch at once (its BatchNorm call waits for all
+    of them): at least the whole batch's input of that call. A budget with room for recompute's forward but not
+    for that runs passes, exactly, and says why; the recomputation is counted before the backward makes it."""
+    model, batch = wide_first(), data((1, 32, 32), 16, torch.float64)
+    grads, _, forward = figures(model, batch)
+    wide = 16 * 32 * 32 * 32 * 8  # the first BatchNorm's input of the whole batch
+    budget = grads + forward + wide // 2
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "passes" and "recompute would keep more than" in choice.reason, choice
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_auto_meters_every_recompute_step_and_judges_the_next_by_the_last_ones_figure():
+    """Recompute's regions and kept convolution outputs follow what the last step measured, so a step keeps what the
+    first one did not: each of its steps runs metered, and the next step is judged by the last one's figure. A budget
+    below the first step's need but with room for the second's runs recompute, exactly."""
+    model, batch = wide(), data((1, 6, 6), 8, torch.float64)
+    grads, layerwise, _ = figures(model, batch)
+    needs = []
+    for step in range(2):
+        with pytest.warns(RuntimeWarning, match="running the recompute schedule") if step == 0 else nullcontext():
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + layerwise - 1)
+        choice = accumnorm.last_schedule(model)
+        assert choice.schedule == "recompute", choice
+        needs.append(choice.need)
+    assert needs[1] != needs[0]  # the second step was measured anew
+    budget = (needs[0] + needs[1]) // 2
+    assert needs[1] <= budget < needs[0], needs
+    ref = copy.deepcopy(model)
+    for m in (model, ref):
+        m.zero_grad()
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_auto_with_room_runs_layerwise():
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=2**40)
+    assert accumnorm.last_schedule(model).schedule == "layerwise"
+
+
+@pytest.mark.parametrize("budget, exc, words", [
+    ("1GB", TypeError, ["memory_budget", "int", "str"]),
+    (1.5e9, TypeError, ["memory_budget", "float"]),
+    (True, TypeError, ["memory_budget", "bool"]),
+    (0, ValueError, ["memory_budget", "positive", "0"]),
+    (-5, ValueError, ["memory_budget", "positive", "-5"]),
+    (1000, ValueError, ["memory_budget is 1000 bytes", "passes schedule needs about", "gradients"]),
+])
+def test_a_bad_memory_budget_is_refused_before_anything_runs(budget, exc, words):
+    model, batch = net(), data((1, 8, 8), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)
+    snap, state = snapshot(model), torch.random.get_rng_state()
+    with pytest.raises(exc) as error:
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    assert all(w in str(error.value) for w in words), str(error.value)
+    assert_unchanged(model, snap)
+    assert torch.equal(torch.random.get_rng_state(), state)

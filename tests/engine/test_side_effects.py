@@ -1,0 +1,408 @@
+"""What a step may and may not do to the rest of the process: several threads, the caller's random numbers,
+half-precision models, running statistics of every kind, rollback of every buffer, and calls it cannot see."""
+from __future__ import annotations
+
+import copy
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import accumnorm
+from helpers import (
+    EXACT_SCHEDULES,
+    assert_unchanged,
+    ce_loss,
+    compare,
+    compare_within_rounding,
+    cpu_env,
+    rel_err,
+    snapshot,
+    whole_batch,
+)
+from models import data, resnet, vgg
+
+
+@pytest.mark.realtime
+def test_several_threads_at_once_each_get_their_single_threaded_result():
+    torch.manual_seed(0)
+    models = [resnet(nn.Tanh).double() for _ in range(3)]
+    batches = [data((1, 8, 8), 8, torch.float64) for _ in models]
+    alone = [copy.deepcopy(m) for m in models]
+    for m, b in zip(alone, batches):
+        for _ in range(3):
+            accumnorm.backward(m, b, ce_loss, micro_batch_size=2)
+    apply_before = vars(torch.autograd.Function)["apply"]
+    errors: list[BaseException] = []
+
+    def train(m: nn.Module, b) -> None:
+        try:
+            for _ in range(3):
+                accumnorm.backward(m, b, ce_loss, micro_batch_size=2)
+        except BaseException as e:  # handed to the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=train, args=mb) for mb in zip(models, batches)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for m, a in zip(models, alone):
+        for p, q in zip(m.parameters(), a.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        for b, c in zip(m.buffers(), a.buffers()):
+            assert torch.equal(b, c)
+    # Nothing process-wide changed: custom Functions and checkpointing work as before.
+    assert vars(torch.autograd.Function)["apply"] is apply_before
+    x = torch.randn(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(x.grad, x.detach().cos())
+
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.net(x + 0.1 * torch.randn_like(x))  # noise drawn in the forward too
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_the_callers_random_numbers_do_not_depend_on_the_split_or_schedule(bn):
+    """After torch.manual_seed(42) and one step, the next draw is the same at every micro-batch size and schedule:
+    a shuffled DataLoader deals the next epoch the same way."""
+    batch = data((6,), 16)
+    after = set()
+    for micro in (16, 8, 4, 2):
+        for schedule in EXACT_SCHEDULES:
+            torch.manual_seed(42)
+            accumnorm.backward(Dropped(), batch, ce_loss, micro_batch_size=micro, bn=bn, schedule=schedule)
+            after.add(tuple(torch.rand(4).tolist()))
+    assert len(after) == 1
+
+
+def test_a_failed_step_leaves_the_callers_random_numbers_as_they_were(schedule):
+    model, batch = Dropped(), data((6,), 8)
+    state = torch.random.get_rng_state()
+
+    def loss_fn(m, b):
+        ce_loss(m, b)  # draws dropout masks and noise
+        raise RuntimeError("no data")
+
+    with pytest.raises(RuntimeError, match="no data"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_shuffled_loader_deals_the_same_order_at_any_split():
+    """The Trainer over a shuffled DataLoader, two epochs: the same samples in the same order at micro-batch 8, 4
+    and 2 (the steps draw from the caller's generator one value each, whatever the split)."""
+    xs, ys = data((6,), 32)
+    ids = torch.arange(32, dtype=torch.float64)
+    orders = []
+    for micro in (8, 4, 2):
+        torch.manual_seed(1)
+        model = Dropped()
+        seen: list[float] = []
+
+        def loss_fn(m, b, seen=seen):
+            x, y, i = b
+            seen.extend(i.tolist())
+            return ce_loss(m, (x, y))
+
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys, ids), batch_size=8, shuffle=True)
+        trainer = accumnorm.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, micro_batch_size=micro)
+        trainer.fit(loader, epochs=2, log=None)
+        orders.append(seen)
+    assert orders[0] == orders[1] == orders[2] and sorted(orders[0]) == sorted(2 * ids.tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_is_as_exact_as_torch_is_in_that_dtype(schedule, dtype):
+    """A bfloat16/float16 model, no autocast: against float64 whole-batch torch, within torch's own error at that
+    dtype (whole-batch torch run in it). The statistics are float32, as torch's BatchNorm keeps them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16), nn.BatchNorm1d(16),
+                          nn.Tanh(), nn.Linear(16, 10))
+    truth, other, ours = model.double(), copy.deepcopy(model).to(dtype), copy.deepcopy(model).to(dtype)
+    x, y = data((6,), 16, torch.float64)
+    whole_batch(truth, (x, y))
+    whole_batch(other, (x.to(dtype), y))
+    accumnorm.backward(ours, (x.to(dtype), y), ce_loss, micro_batch_size=4, schedule=schedule)
+    compare_within_rounding(truth, other, ours, 1e-2, slack=4)
+
+
+class WithInstanceNorm(nn.Module):
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.inorm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True, momentum=momentum)
+        self.bn, self.head = nn.BatchNorm2d(4), nn.Linear(4, 10)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bn(self.inorm(self.conv(x)))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_instance_norm_running_statistics_are_updated_once_per_step(schedule, momentum):
+    ref = WithInstanceNorm(momentum).double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 6, 6), 10, torch.float64)
+    for _ in range(2):
+        whole_batch(ref, batch)
+        accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    compare(ref, ours, 1e-9)
+
+
+def test_batch_renorm_under_exact_mode_is_refused_saying_why_and_what_to_use(schedule):
+    model = vgg(nn.Tanh, norm=lambda c: accumnorm.BatchRenorm2d(c))
+    batch = data((1, 16, 16), 8)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, bn="micro")
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"BatchRenorm2d \(1\) exact.*r and d.*bn='micro'.*BatchNorm2d"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    assert_unchanged(model, snap)
+    model.eval()  # in eval mode it normalizes with running statistics: nothing to refuse
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+
+
+class Counters(nn.Module):
+    """Buffers a forward changes in place, and one it replaces by a new tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(6))
+
+    def forward(self, x):
+        self.seen += len(x)
+        self.ema = 0.9 * self.ema + 0.1 * x.mean(0)
+        return self.body(x)
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_a_failed_step_restores_every_buffer_and_gradient(schedule, bn):
+    model = Counters()
+    batch = data((6,), 8)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, bn=bn, schedule=schedule)
+    snap, ema = snapshot(model), model.ema
+    last = batch[0][6:]
+
+    def loss_fn(m, b):
+        loss = ce_loss(m, b)
+        if torch.equal(b[0], last):
+            raise RuntimeError("late failure")
+        return loss
+
+    with pytest.raises(RuntimeError, match="late failure"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn, schedule=schedule)
+    assert_unchanged(model, snap)
+    assert model.ema is ema  # the replaced buffer is the very tensor it was
+
+
+class InterruptingAdd(torch.Tensor):
+    """A gradient whose third addition raises KeyboardInterrupt: Ctrl-C in the middle of the final merge."""
+
+    adds = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.add, torch.Tensor.__add__, torch.add):
+            InterruptingAdd.adds += 1
+            if InterruptingAdd.adds == 3:
+                raise KeyboardInterrupt
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_an_interrupt_during_the_final_merge_loses_nothing(schedule):
+    model = resnet(nn.Tanh)
+    batch = data((1, 8, 8), 8)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p).as_subclass(InterruptingAdd)
+    snap = snapshot(model)
+    old = [p.grad for p in model.parameters()]
+    InterruptingAdd.adds = 0
+    with pytest.raises(KeyboardInterrupt):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    assert InterruptingAdd.adds == 3
+    assert_unchanged(model, snap)
+    assert all(p.grad is g for p, g in zip(model.parameters(), old))
+
+
+class Threaded(nn.Module):
+    """Runs its BatchNorm in a thread of its own, where no TorchFunctionMode of the step reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.head = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 10)
+
+    def forward(self, x):
+        out = []
+        worker = threading.Thread(target=lambda: out.append(self.bn(self.lin(x))))
+        worker.start()
+        worker.join()
+        return self.head(torch.tanh(out[0]))
+
+
+def test_a_batchnorm_forward_the_step_cannot_see_is_refused(schedule):
+    model = Threaded()
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"(saw 0 of the [45] training forwards of|did not see "
+                                         r"\(NativeBatchNormBackward0, on the running statistics of) BatchNorm1d bn"
+                                         r".*Nothing was changed"):
+        accumnorm.backward(model, data((6,), 8), ce_loss, micro_batch_size=2, schedule=schedule)
+    assert_unchanged(model, snap)
+    loss = accumnorm.backward(model, data((6,), 8), ce_loss, micro_batch_size=2, bn="micro")  # plain: fine
+    assert torch.isfinite(loss)
+
+
+class Counting(torch.overrides.TorchFunctionMode):
+    """A user's mode: counts the torch calls it sees, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class Wrapped(nn.Module):
+    """A conv layer with a forward of its own on the instance, as a library's wrapper sets it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, 10)
+        self.wrapped_calls = 0
+        inner = self.conv.forward
+
+        def forward(x):
+            self.wrapped_calls += 1
+            return inner(x)
+
+        self.conv.forward = forward
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_step_gives_every_layer_its_own_forward_back(schedule, fail):
+    """torch's plain and BatchNorm layers run a forward of the step's for its length; after it, whatever ended it,
+    each layer's forward is its class's again, and one the layer had of its own was kept and called."""
+    model = Wrapped().double()
+    own = vars(model.conv)["forward"]
+    batch = data((1, 6, 6), 8, torch.float64)
+
+    def loss_fn(m, b):
+        if fail and m.wrapped_calls == 3:
+            raise RuntimeError("late failure")
+        return ce_loss(m, b)
+
+    if fail:
+        with pytest.raises(RuntimeError, match="late failure"):
+            accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    else:
+        ref = Wrapped().double()  # not a deep copy, whose wrapper would call the original's layer
+        ref.load_state_dict(model.state_dict())
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+        whole_batch(ref, batch)
+        compare(ref, model, 1e-9)
+    assert model.wrapped_calls >= 3  # the layer's own forward ran in the step
+    assert vars(model.conv)["forward"] is own
+    assert all("forward" not in vars(m) for m in (model, model.bn, model.head))
+
+
+def test_a_mode_of_the_users_sees_every_call_of_torchs_layers(schedule):
+    """A mode the user enters in loss_fn sits above the step's: it sees the calls of torch's layers as without
+    accumnorm (the step lifts only its own mode, when it is the innermost one), and the step stays exact."""
+    ref = vgg(nn.Tanh).double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 8, 8), 8, torch.float64)
+    alone = Counting()
+    with alone:
+        copy.deepcopy(ref)(batch[0][:2])
+    modes = []
+
+    def loss_fn(m, b):
+        modes.append(Counting())
+        with modes[-1]:
+            return ce_loss(m, b)
+
+    accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    whole_batch(ref, batch)
+    compare(ref, ours, 1e-9)
+    whole = [mode for mode in modes if "linear" in mode.calls]  # passes also runs forwards up to a BatchNorm call
+    assert len(whole) >= 4
+    for name in ("conv2d", "batch_norm", "tanh", "max_pool2d", "linear"):
+        assert alone.calls.get(name, 0) > 0, name
+        assert all(mode.calls.get(name, 0) == alone.calls[name] for mode in whole), (name, alone.calls)
+
+
+class BatchNormInConv(nn.Conv2d):
+    """A subclass of a plain layer whose forward makes a BatchNorm call: it runs under the step's mode."""
+
+    def forward(self, x):
+        return F.batch_norm(super().forward(x), None, None, training=True)
+
+
+def test_a_subclass_of_a_plain_layer_runs_under_the_steps_mode(schedule):
+    ref = nn.Sequential(BatchNormInConv(1, 4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(256, 10)).double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 8, 8), 8, torch.float64)
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    assert rel_err(loss, whole_batch(ref, batch)) < 1e-12
+    compare(ref, ours, 1e-9)
+
+
+def test_a_namedtuple_batch_is_split_field_by_field():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", ["x", "y"])
+    ref = resnet(nn.Tanh).double()
+    ours = copy.deepcopy(ref)
+    x, y = data((1, 8, 8), 6, torch.float64)
+    expected = whole_batch(ref, (x, y))
+    loss = accumnorm.backward(ours, Pair(x, y), lambda m, b: F.cross_entropy(m(b.x), b.y), micro_batch_size=2)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, ours, 1e-9)
+
+
+@pytest.mark.realtime
+def test_the_sigint_program_interrupts_when_started_with_sigint_ignored():
+    """A shell without job control starts a background job with SIGINT ignored (`.ci/run &`): sigint_steps.py puts
+    Python's KeyboardInterrupt back, so its interrupts still land, rather than trying until --max-tries."""
+    program = Path(__file__).parents[1] / "programs" / "sigint_steps.py"
+    proc = subprocess.run([sys.executable, str(program), "--mid-step", "1", "--max-tries", "30"], env=cpu_env(),
+                          capture_output=True, text=True, timeout=600,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.realtime
+@pytest.mark.slow
+def test_real_sigints_at_random_moments_lose_nothing():
+    """tests/programs/sigint_steps.py: SIGINTs at random moments of steps per path (layerwise, recompute, passes,
+    plain), until 10 of them have landed inside a step, on a model with dropout, a checkpointed region and
+    InstanceNorm statistics: each time the model is as it was or as the whole step leaves it, the thread's torch
+    state is untouched, and no coroutine is left. The program keeps interrupting until it has its 10, so a slow
+    machine cannot fail it."""
+    program = Path(__file__).parents[1] / "programs" / "sigint_steps.py"
+    proc = subprocess.run([sys.executable, str(program), "--mid-step", "10"], env=cpu_env(), capture_output=True,
+                          text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for path in ("layerwise", "recompute", "passes", "micro"):
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(path + ":"))
+        rolled_back = int(line.split("(")[1].split()[0])
+        assert rolled_back >= 10 and line.endswith(" 0 problems"), line  # the signals did land inside steps

@@ -1,0 +1,164 @@
+"""accumnorm.integrations.lightning: a real lightning.Trainer with micro-batches trains like plain PyTorch
+with the whole batch per step, on one process and on two gloo processes; misuse fails at set-up."""
+import copy
+import csv
+import re
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn as nn
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+
+import accumnorm
+from accumnorm.integrations.lightning import ExactAccumulation
+from helpers import (
+    assert_ranks_ended_well,
+    assert_ranks_trained_like_whole_batch,
+    assert_state_close,
+    assert_state_within_rounding,
+    launch_ranks,
+    train_whole_batch,
+)
+from models import lit_classifier, tiny_bn, tiny_dataset
+
+PROGRAM = Path(__file__).parents[1] / "programs" / "lightning_ddp.py"
+CLIP = 0.05  # the gradient norm is ~0.1-1 here: every step is clipped
+
+
+def trainer(**kwargs) -> pl.Trainer:
+    """A quiet one-process CPU trainer of 3 steps, without logger or checkpoints unless asked for."""
+    return pl.Trainer(**{**dict(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False), **kwargs})
+
+
+def batches(dataset, size: int, steps: int) -> list:
+    """The whole batches a shuffle-free loader of `size` yields over `steps` steps, epoch after epoch."""
+    per_epoch = len(dataset) // size
+    return [dataset[(i % per_epoch) * size:(i % per_epoch + 1) * size] for i in range(steps)]
+
+
+@pytest.mark.slow
+def test_trainer_equals_whole_batch_training_and_resumes_from_its_checkpoint(tmp_path):
+    """3 steps over batches of 8 as micro-batches 3 + 3 + 2, float64, clipped, the LR halved by a per-step schedule,
+    logged and checkpointed, accumnorm's BatchNorm (the two-rank test keeps torch's): parameters, running statistics
+    and logged losses are whole-batch PyTorch's; resuming the step-2 checkpoint gives the same step 3."""
+    data = tiny_dataset(16)  # 2 batches an epoch: step 3 is the first batch of epoch 2
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    model = lit_classifier()(accumnorm.convert(tiny_bn()), micro_batch_size=3)
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer(precision="64-true", gradient_clip_val=CLIP, logger=CSVLogger(tmp_path, name="log"), log_every_n_steps=1,
+            enable_checkpointing=True, callbacks=[checkpoints]).fit(model, loader)
+
+    oracle = tiny_bn()
+    losses, norms = train_whole_batch(oracle, batches(data, 8, 3), max_grad_norm=CLIP)
+    assert min(norms) > CLIP  # clipping is part of what is compared
+    assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
+    with open(tmp_path / "log" / "version_0" / "metrics.csv") as f:
+        logged = [float(row["train_loss"]) for row in csv.DictReader(f) if row["train_loss"]]
+    assert logged == pytest.approx(losses, rel=1e-12)
+
+    resumed = lit_classifier()(accumnorm.convert(tiny_bn()), micro_batch_size=3)
+    trainer(precision="64-true", gradient_clip_val=CLIP).fit(
+        resumed, loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+    assert_state_close(resumed.net.state_dict(), model.net.state_dict(), 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_plugins_autocast_and_scale(precision):
+    """bf16-mixed, and 16-mixed with Lightning's GradScaler (its CUDA set-up, given to a CPU run as a plugin):
+    the forward runs in the low precision, and the trained state is as close to float64 whole-batch training as
+    whole-batch PyTorch under the same autocast is (a gradient left scaled, or unscaled twice, would be off by the
+    scale, 2**12)."""
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[precision]
+    data = tiny_dataset(16, torch.float32)
+    model = lit_classifier()(accumnorm.convert(tiny_bn(torch.float32)), micro_batch_size=3)
+    seen = set()
+    model.net[0].register_forward_hook(lambda module, inputs, output: seen.add(output.dtype))
+    plugin = (dict(plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=2.0**12))])
+              if precision == "16-mixed" else dict(precision=precision))
+    run = trainer(gradient_clip_val=CLIP, **plugin)
+    run.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    assert seen == {dtype}
+    if precision == "16-mixed":
+        assert run.precision_plugin.scaler.get_scale() == 2.0**12  # no step overflowed
+    oracle, truth = tiny_bn(torch.float32), tiny_bn(torch.float64)
+    train_whole_batch(oracle, batches(data, 8, 3), max_grad_norm=CLIP, autocast=dtype)
+    train_whole_batch(truth, [(x.double(), y) for x, y in batches(data, 8, 3)], max_grad_norm=CLIP)
+    assert_state_within_rounding(model.net.state_dict(), oracle.state_dict(), truth.state_dict(),
+                                 tol=torch.finfo(dtype).eps, slack=2.0)
+
+
+# name: (class attributes that replace the test module's, Trainer arguments, what to do to the model or
+# data, the error, words of its message)
+MISUSES = {
+    "accumulate_grad_batches": ({}, dict(accumulate_grad_batches=2), None, ValueError,
+                                "Trainer(accumulate_grad_batches=2) accumulates with each batch's own BatchNorm"),
+    "no optimizer": (dict(configure_optimizers=lambda self: None), {}, None, ValueError,
+                     "return an optimizer over self.parameters()"),
+    "foreign optimizer": (dict(configure_optimizers=lambda self: torch.optim.SGD(nn.Linear(2, 2).parameters(), 0.1)),
+                          {}, None, ValueError, "steps 2 tensors, 2 of them not parameters of Model"),
+    "GradientAccumulationScheduler": ({}, dict(callbacks=[GradientAccumulationScheduler({0: 2})]), None, ValueError,
+                                      "GradientAccumulationScheduler accumulates with each batch's own BatchNorm"),
+    "manual optimization": (dict(automatic_optimization=False), {}, None, ValueError,
+                            "sets automatic_optimization = False"),
+    "own backward": (dict(backward=lambda self, loss, *args, **kwargs: loss.backward()), {}, None, ValueError,
+                     "overrides backward(), which ExactAccumulation implements"),
+    "no training_loss": (dict(training_loss=ExactAccumulation.training_loss), {}, None, ValueError,
+                         "must implement training_loss(self, batch)"),
+    "training_step skips super": (dict(training_step=lambda self, batch, batch_idx: self.training_loss(batch)), {},
+                                  None, RuntimeError, "return super().training_step(batch, batch_idx)"),
+    "unsplittable batch": ({}, {}, "names", TypeError,
+                           "batch[2] must be a Tensor or a list of per-sample items, got tuple"),
+}
+
+
+@pytest.mark.parametrize("misuse", MISUSES)
+def test_misuse_raises_before_any_step(misuse):
+    """Each wrong set-up raises with a message saying what to change, and no parameter or statistic moves.
+    All but two are found at set-up; a batch that cannot be split, when it arrives; a training_step that
+    skips the mixin's, at the first backward (Lightning's call that the mixin owns), before the step."""
+    attributes, kwargs, change, error, message = MISUSES[misuse]
+    net = accumnorm.convert(tiny_bn(torch.float32))
+    before = copy.deepcopy(net.state_dict())
+    data = tiny_dataset(8, torch.float32)
+    if change == "names":  # a list of strings in each batch: nothing accumnorm can cut into micro-batches
+        data = [(x, y, "a name") for x, y in data]
+    model = type("Model", (lit_classifier(),), attributes)(net, micro_batch_size=3)
+    with pytest.raises(error, match=re.escape(message)):
+        trainer(**kwargs).fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    if misuse == "training_step skips super":  # found at the first backward: the override's own forward has
+        before = {k: v for k, v in before.items() if "running" not in k and "num_batches" not in k}  # moved stats
+    assert_state_close({k: net.state_dict()[k] for k in before}, before, 0.0)
+
+
+def test_the_mixin_after_lightning_module_in_the_bases_is_refused_when_the_class_is_made():
+    with pytest.raises(TypeError, match=re.escape("write class Late(ExactAccumulation, L.LightningModule)")):
+        type("Late", (pl.LightningModule, ExactAccumulation), {})
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
+    (dict(micro_batch_size=2, bn="exactly"), ValueError, "bn must be one of ('exact', 'micro'), got 'exactly'"),
+    (dict(micro_batch_size=2, schedule="fast"), ValueError,
+     "schedule must be one of ('auto', 'layerwise', 'recompute', 'passes')"),
+    (dict(micro_batch_size=2, store=3), TypeError, "store must be None, 'cpu' or a torch.device, got int 3"),
+])
+def test_bad_arguments_fail_when_the_module_is_made(options, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        lit_classifier()(tiny_bn(), **options)
+
+
+@pytest.mark.realtime
+@pytest.mark.slow
+def test_two_gloo_ranks_under_ddp_equal_one_process_with_the_global_batch(tmp_path):
+    """2 ranks x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64, clipped, torch's
+    BatchNorm unconverted and the passes schedule: DDP's own gradient reduction must not add to accumnorm's (a
+    second average halves the gradient) nor wait for a backward that never comes (a hang, bounded here by timeouts)."""
+    results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=900)
+    assert_ranks_ended_well(results)
+    assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)

@@ -1,0 +1,392 @@
+"""The Trainer in one process: exact steps against whole-batch PyTorch, the fit loop and its logs,
+checkpoints that resume bit for bit after a real SIGKILL, bf16 autocast, and clear errors.
+
+The killed and resumed runs are tests/programs/trainer_resume.py, each in a fresh process.
+"""
+import copy
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import accumnorm
+from accumnorm import Trainer
+from helpers import ce_loss, child_env, rel_err
+from models import NoisyDigits, small_net, vgg
+from programs.trainer_resume import KILL_IN_STEP, RESUME_STEPS
+
+PROGRAM = Path(__file__).parents[1] / "programs" / "trainer_resume.py"
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def read_metrics(directory: Path) -> list[dict]:
+    with open(directory / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ---------------------------------------------------------------- exactness in one process
+def test_step_equals_whole_batch_pytorch_including_a_short_last_batch():
+    """micro_batch_size 4 on batches of 12, 12 and 7 (a short last batch: 4 + 3), with clipping and a
+    scheduler, against one forward/backward per whole batch with torch's BatchNorm."""
+    sizes = [12, 12, 7]
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+    def make(model):
+        model.eval()  # no dropout: the two runs draw different random masks
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    oracle = small_net()
+    opt, sched = make(oracle)
+    oracle_losses = []
+    for b in data:
+        opt.zero_grad()
+        loss = ce_loss(oracle, b)
+        loss.backward()
+        nn.utils.clip_grad_norm_(oracle.parameters(), 0.5)
+        opt.step()
+        sched.step()
+        oracle_losses.append(loss.item())
+
+    model = accumnorm.convert(small_net())
+    opt, sched = make(model)
+    trainer = Trainer(model, opt, ce_loss, micro_batch_size=4, scheduler=sched, max_grad_norm=0.5)
+    losses = [trainer.step(b) for b in data]
+    assert losses == pytest.approx(oracle_losses, rel=1e-5)
+    assert trainer.step_count == 3 and sched.get_last_lr() == [0.2 * 0.5 ** 3]
+    for key, want in oracle.state_dict().items():
+        assert rel_err(model.state_dict()[key], want) < 1e-5, key
+
+
+# ---------------------------------------------------------------- fit, logs, errors
+def test_fit_runs_epochs_logs_and_evaluates(tmp_path):
+    model = accumnorm.convert(small_net())
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-2), ce_loss, micro_batch_size=3)
+    loader = torch.utils.data.DataLoader(NoisyDigits(20), batch_size=8)  # 8, 8, 4 per epoch
+    evals = []
+    final = trainer.fit(loader, epochs=2, eval_fn=lambda m: evals.append(m.training) or 0.5, eval_every=4,
+                        log=tmp_path)
+    assert (trainer.step_count, trainer.epoch, trainer.batch_in_epoch) == (6, 2, 0)
+    assert evals == [False, False] and final["eval"] == 0.5 and model.training  # at step 4 and at the end
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["effective_batch_size"], config["accumulation_steps"], config["world_size"]) == (8, 3, 1)
+    rows = read_metrics(tmp_path)
+    assert [int(r["step"]) for r in rows if r["name"] == "loss"] == [1, 2, 3, 4, 5, 6]
+    assert [int(r["step"]) for r in rows if r["name"] == "eval"] == [4, 6]
+    assert any(tmp_path.glob("events.out.tfevents.*"))  # tensorboard is installed with the dev extra
+
+
+def test_fit_gives_a_distributed_sampler_each_epoch_number():
+    """DistributedSampler shuffles by epoch number: without set_epoch every epoch repeats the first."""
+    data = torch.utils.data.TensorDataset(torch.randn(12, 1, 8, 8), torch.arange(12) % 3, torch.arange(12))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
+    seen = []
+
+    def recording_loss(model, batch):
+        seen.extend(batch[2].tolist())
+        return ce_loss(model, batch[:2])
+
+    model = accumnorm.convert(small_net())
+    # bn="micro" runs loss_fn once per micro-batch (exact runs it once per pass), so each batch is seen once
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), recording_loss, micro_batch_size=6,
+                      bn="micro")
+    trainer.fit(torch.utils.data.DataLoader(data, batch_size=6, sampler=sampler), epochs=2, log=None)
+    want = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        want += list(sampler)
+    assert seen == want and want[:12] != want[12:]
+
+
+def _sgd_trainer(**kwargs):
+    model = accumnorm.convert(small_net())
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=4, **kwargs)
+
+
+def _load(path):
+    model = accumnorm.convert(small_net())
+    return Trainer.load(path, model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss)
+
+
+@pytest.mark.parametrize("checkpoint_every", [3, None])
+def test_fit_saves_a_checkpoint_when_it_ends(tmp_path, checkpoint_every):
+    """The last checkpoint of steps=10, checkpoint_every=3 was step 9's, and checkpoint_every=None saved none."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(24), batch_size=8)
+    trainer = _sgd_trainer()
+    trainer.fit(loader, steps=10, log=tmp_path, checkpoint_every=checkpoint_every)
+    resumed = _load(tmp_path)  # the run's directory: its checkpoint.pt
+    assert (resumed.step_count, resumed.epoch, resumed.batch_in_epoch) == (10, 3, 1)
+    assert all(torch.equal(v, resumed.model.state_dict()[k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_fit_stopped_by_an_interrupt_keeps_its_last_periodic_checkpoint(tmp_path):
+    """An interrupt may come between the optimizer's update and the step count: no checkpoint is taken then."""
+    def interrupted_at_step_4(model):
+        if trainer.step_count == 4:
+            raise KeyboardInterrupt
+        return 0.0
+
+    trainer = _sgd_trainer()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(torch.utils.data.DataLoader(NoisyDigits(24), batch_size=8), steps=10, eval_fn=interrupted_at_step_4,
+                    eval_every=1, log=tmp_path, checkpoint_every=3)
+    assert _load(tmp_path / "checkpoint.pt").step_count == 3
+
+
+def test_the_effective_batch_is_the_loaders_not_the_first_after_a_resume(tmp_path, capsys):
+    """Resumed before an epoch's short last batch (8, 8, 4), the header and config.json said "effective batch 4"."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(20), batch_size=8)
+    _sgd_trainer().fit(loader, steps=2, log=tmp_path)
+    capsys.readouterr()
+    trainer = _load(tmp_path)
+    trainer.fit(loader, steps=3, log=tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["effective_batch_size"], config["accumulation_steps"], config["start_step"]) == (8, 2, 2)
+    assert "effective batch 8 = micro-batch 4 x 2 accumulation steps" in capsys.readouterr().out
+
+
+def test_a_loader_that_does_not_say_its_batch_size_reports_the_largest_batch_seen(tmp_path):
+    batches = [(torch.randn(n, 1, 8, 8), torch.randint(0, 3, (n,))) for n in (4, 12, 8)]
+    _sgd_trainer().fit(batches, steps=3, log=tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["effective_batch_size"], config["accumulation_steps"]) == (12, 3)
+
+
+def test_a_fresh_run_into_the_log_of_another_is_refused_and_its_resume_is_not(tmp_path):
+    """A second run into runs/accumnorm rewrote metrics.csv from its own step 1 and added TensorBoard files."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8)
+    _sgd_trainer().fit(loader, steps=2, log=tmp_path)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    fresh = _sgd_trainer()
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    found = ", ".join(sorted(files))
+    with pytest.raises(ValueError, match=rf"log '{re.escape(str(tmp_path))}' already holds a run "
+                                         rf"\({re.escape(found)}\), which this fresh run would overwrite: pass "
+                                         r"another log=, resume"):
+        fresh.fit(loader, steps=2, log=tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files and fresh.step_count == 0
+    assert all(torch.equal(v, before[k]) for k, v in fresh.model.state_dict().items())
+    resumed = _load(tmp_path / "checkpoint.pt")
+    resumed.fit(loader, steps=4, log=tmp_path)
+    resumed.fit(loader, steps=5, log=tmp_path)  # the trainer that wrote a run carries on in it
+    assert [int(r["step"]) for r in read_metrics(tmp_path) if r["name"] == "loss"] == [1, 2, 3, 4, 5]
+    other = tmp_path / "other"
+    _sgd_trainer().fit(loader, steps=1, log=other)  # a directory of other files than a run's is no run
+    assert (other / "checkpoint.pt").exists()
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_is_replaced_by_the_rerun(tmp_path):
+    """A loss_fn with a typo fails at step 1, after the run's logs are open: no checkpoint, nothing to resume. The
+    fixed rerun into the same log replaces those files, saying so, where it used to be refused with advice to
+    resume a run that had no checkpoint."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8)
+    broken = _sgd_trainer()
+    broken.loss_fn = lambda m, b: F.cross_entropy(m(b[0]), b[1].float())
+    with pytest.raises(RuntimeError):
+        broken.fit(loader, steps=2, log=tmp_path)
+    assert "checkpoint.pt" not in {p.name for p in tmp_path.iterdir()} and any(tmp_path.iterdir())
+    with pytest.warns(UserWarning, match=r"holds a run that left no checkpoint .* this run replaces its files"):
+        _sgd_trainer().fit(loader, steps=2, log=tmp_path)
+    assert [int(r["step"]) for r in read_metrics(tmp_path) if r["name"] == "loss"] == [1, 2]
+    assert (tmp_path / "checkpoint.pt").exists()
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("events.out.")]) <= 1
+
+
+def test_a_resume_with_another_batch_size_mid_epoch_says_so_and_keeps_the_runs_config(tmp_path):
+    """A run stopped 2 batches into an epoch of batches of 8, resumed with batches of 4: the position in the epoch
+    counts batches, so the rest of the epoch is other data. A warning says so (none with the same batches), and
+    config.json keeps the configuration the run had under "previous"."""
+    _sgd_trainer().fit(torch.utils.data.DataLoader(NoisyDigits(32), batch_size=8), steps=2, log=tmp_path)
+    same = tmp_path / "same"
+    _sgd_trainer().fit(torch.utils.data.DataLoader(NoisyDigits(32), batch_size=8), steps=2, log=same)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same batches: nothing to say
+        _load(same / "checkpoint.pt").fit(torch.utils.data.DataLoader(NoisyDigits(32), batch_size=8), steps=3, log=same)
+    resumed = _load(tmp_path / "checkpoint.pt")
+    with pytest.warns(UserWarning, match=r"with batches of 4 samples per rank where it had 8, 2 batches into an epoch"):
+        resumed.fit(torch.utils.data.DataLoader(NoisyDigits(32), batch_size=4), steps=3, log=tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["batch_per_rank"], config["start_step"]) == (4, 2)
+    assert (config["previous"]["batch_per_rank"], config["previous"]["start_step"]) == (8, 0)
+
+
+def test_a_failing_eval_fn_keeps_the_checkpoint_and_names_its_result(tmp_path):
+    """eval_fn at the end of a fit returns a matrix: the run's checkpoint is written before it, and the error
+    names the result."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8)
+    trainer = _sgd_trainer()
+    with pytest.raises(ValueError, match=r"eval_fn returned Tensor of shape \(3, 3\) for 'confusion'"):
+        trainer.fit(loader, steps=3, eval_fn=lambda m: {"acc": 0.5, "confusion": torch.zeros(3, 3)}, log=tmp_path)
+    assert _load(tmp_path / "checkpoint.pt").step_count == 3
+
+
+def test_evaluations_show_in_the_progress_bar_and_in_a_line_each(tmp_path, capsys):
+    trainer = _sgd_trainer()
+    scores = iter([0.25, 0.5, 0.75])
+    trainer.fit(torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8), steps=5,
+                eval_fn=lambda m: {"acc": next(scores)}, eval_every=2, log=None)
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("step ")] == [
+        "step 2: acc 0.25", "step 4: acc 0.5", "step 5: acc 0.75"]
+    assert "acc=0.25" in err and "acc=0.75" in err.split("\r")[-1]  # the bar's postfix, up to its last refresh
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    model = accumnorm.convert(small_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="amp='fp16' needs the model on a CUDA device.*on cpu"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, amp="fp16")
+    with pytest.raises(ValueError, match="amp must be None, 'bf16' or 'fp16', got 'fp8'"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, amp="fp8")
+    with pytest.raises(ValueError, match=r"the optimizer \(SGD\) steps \d+ tensors, \d+ of them not parameters of "
+                                         r"Sequential.*after any copy of the model"):
+        Trainer(copy.deepcopy(model), opt, ce_loss, micro_batch_size=2)  # an optimizer built before the copy
+    with pytest.raises(TypeError, match=r"scheduler ReduceLROnPlateau needs arguments to step.*Step it yourself"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+    with pytest.raises(TypeError, match="max_grad_norm must be a number or None, got str '1'"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, max_grad_norm="1")
+    trainer = Trainer(model, opt, ce_loss, micro_batch_size=2)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"log must be a directory, but .*afile is a file \(in the path .*sub\)"):
+        trainer.fit([], steps=3, log=tmp_path / "afile" / "sub")
+    with pytest.raises(ValueError, match="steps=, epochs="):
+        trainer.fit([], log=None)
+    with pytest.raises(ValueError, match="checkpoint_every needs a log directory"):
+        trainer.fit([], steps=3, log=None, checkpoint_every=1)
+    with pytest.raises(ValueError, match="the loader yielded no batches in epoch 0"):
+        trainer.fit([], steps=3, log=tmp_path)
+    assert trainer.step_count == 0
+
+
+def test_checkpoint_of_another_model_names_the_keys_and_changes_nothing(tmp_path):
+    model = accumnorm.convert(small_net())
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss,
+                      micro_batch_size=2).save(tmp_path / "ckpt.pt")
+    torch.manual_seed(5)
+    other = accumnorm.convert(nn.Sequential(nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+                                            nn.MaxPool2d(2), nn.Flatten(), nn.Dropout(), nn.Linear(6 * 4 * 4, 32)))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError) as error:
+        Trainer.load(tmp_path / "ckpt.pt", other, torch.optim.SGD(other.parameters(), lr=0.1), ce_loss)
+    message = str(error.value)
+    assert "missing in checkpoint" not in message
+    assert ("not in model: 7.bias; 7.num_batches_tracked; 7.running_mean; 7.running_var; 7.weight; 9.bias; 9.weight"
+            in message)
+    assert "shapes differ: 6.weight (16, 96) in checkpoint, (32, 96) in model; 6.bias (16,) in checkpoint" in message
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    """A save that dies half way leaves the previous checkpoint whole and no temporary file."""
+    model = accumnorm.convert(small_net())
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=2)
+    path = tmp_path / "ckpt.pt"
+    trainer.save(path)
+    good = path.read_bytes()
+    trainer.step_count = 7
+
+    def dies_half_way(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save(path)
+    assert path.read_bytes() == good and os.listdir(tmp_path) == ["ckpt.pt"]
+
+
+def test_a_step_with_inf_gradients_is_skipped_as_grad_scaler_does():
+    """The fp16 path's scaler handling, run on CPU with torch.amp.GradScaler("cpu") in place of the
+    CUDA one that amp="fp16" makes: an inf gradient skips the optimizer and the scheduler and halves
+    the scale; the next finite step goes through."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def sqrt_bias_loss(model, batch):  # d sqrt(b)/db is inf at b = 0, while the loss stays finite
+        return F.mse_loss(model(batch[0]), batch[1]) + model.bias.sqrt().sum()
+
+    trainer = Trainer(model, opt, sqrt_bias_loss, micro_batch_size=2, scheduler=sched, max_grad_norm=1.0)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batch = (torch.randn(4, 2), torch.randn(4, 1))
+    with torch.no_grad():
+        model.bias.zero_()
+    before = [p.clone() for p in model.parameters()]
+    trainer.step(batch)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert (trainer.scaler.get_scale(), sched.get_last_lr(), trainer.step_count) == (512.0, [0.1], 1)
+    with torch.no_grad():
+        model.bias.fill_(1.0)
+    model.zero_grad()
+    sqrt_bias_loss(model, batch).backward()
+    true_norm = nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    trainer.step(batch)
+    assert not torch.equal(model.weight, before[0])
+    assert (trainer.scaler.get_scale(), sched.get_last_lr(), trainer.step_count) == (512.0, [0.05], 2)
+    assert trainer.grad_norm == pytest.approx(true_norm, rel=1e-5)  # unscaled before clipping, not 512x
+
+
+# ---------------------------------------------------------------- bf16 autocast
+def test_bf16_autocast_on_cpu_trains_the_study_net():
+    model = accumnorm.convert(vgg(widths=(32, 64, 128, 256)))  # the study's net at full width
+    trainer = Trainer(model, torch.optim.Adam(model.parameters(), 1e-3), ce_loss, micro_batch_size=4,
+                                amp="bf16")
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(16, 1, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
+    losses = [trainer.step(batch) for _ in range(8)]
+    assert all(np.isfinite(losses)) and losses[-1] < 0.5 * losses[0], losses  # it learns the batch
+    for name, tensor in model.state_dict().items():
+        assert torch.isfinite(tensor.float()).all(), name
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    assert len(norms) == 4
+    for m in norms:
+        assert m.running_mean.dtype == m.running_var.dtype == torch.float32
+        assert m.num_batches_tracked == 8 and m.running_var.min() > 0
+
+
+# ---------------------------------------------------------------- kill and resume
+@pytest.mark.realtime
+def test_resume_after_sigkill_is_bit_identical(tmp_path):
+    """20 steps, against: killed by SIGKILL in step 12, resumed from the step-10 checkpoint in a fresh
+    process, 10 more steps. Parameters, optimizer state, RNG and every logged loss are bit-identical."""
+    def run(mode, out):
+        env = {**child_env(), "CUDA_VISIBLE_DEVICES": ""}
+        return subprocess.run([sys.executable, PROGRAM, mode, str(out)], env=env, timeout=600,
+                              capture_output=True, text=True)
+
+    full, broken = tmp_path / "full", tmp_path / "broken"
+    full.mkdir(), broken.mkdir()
+    proc = run("full", full)
+    assert proc.returncode == 0, proc.stderr
+    proc = run("killed", broken)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert not (broken / "final.pt").exists()
+    assert max(int(r["step"]) for r in read_metrics(broken)) == KILL_IN_STEP - 1  # logged past the checkpoint
+    proc = run("resumed", broken)
+    assert proc.returncode == 0, proc.stderr
+    want, got = torch.load(full / "final.pt"), torch.load(broken / "final.pt")
+    for key, value in want["model"].items():
+        assert torch.equal(value, got["model"][key]), key
+    for i, state in want["optimizer"]["state"].items():
+        assert all(torch.equal(v, got["optimizer"]["state"][i][k]) for k, v in state.items())
+    assert want["optimizer"]["param_groups"] == got["optimizer"]["param_groups"]
+    assert torch.equal(want["rng"], got["rng"])
+    def logged(d):
+        return [(r["step"], r["name"], r["value"]) for r in read_metrics(d) if r["name"] != "samples_per_s"]
+    assert logged(full) == logged(broken)
+    assert [r[0] for r in logged(full) if r[1] == "loss"] == [str(s) for s in range(1, RESUME_STEPS + 1)]
