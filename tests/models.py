@@ -367,3 +367,21 @@ class Compiled(nn.Module):
 
     def forward(self, x):
         return self.compiled(x)
+
+
+class KeywordClassifier(nn.Module):
+    """`net` as the Hugging Face Trainer calls a model: keyword inputs, a dict with `logits` and, given labels,
+    `loss` (mean cross-entropy over the labels that are not -100)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.net(pixel_values)
+        return {"logits": logits} if labels is None else {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+def keyword_samples(dataset) -> list[dict[str, torch.Tensor]]:
+    """The (x, y) samples of a TensorDataset as the dicts a Hugging Face Trainer's collator stacks."""
+    return [{"pixel_values": x, "labels": y} for x, y in dataset]
