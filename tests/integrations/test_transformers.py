@@ -83,21 +83,22 @@ def train(cls: type, model: nn.Module, args: TrainingArguments, data, **kwargs):
     return trainer
 
 
-def whole_batch(model: nn.Module, steps, loss=lambda model, batch: model(**batch)["loss"], bf16: bool = False) -> None:
-    """The oracle: the steps' micro-batches joined, one forward/backward each (under CPU autocast to bfloat16 if
-    `bf16`), clipped, SGD halving its LR."""
+def whole_batch(model: nn.Module, steps, loss=lambda model, batch: model(**batch)["loss"],
+                autocast: torch.dtype | None = None, clip: float = CLIP) -> None:
+    """The oracle: the steps' micro-batches joined, one forward/backward each (under CPU autocast to `autocast` if
+    given), clipped to `clip` (0: not clipped), SGD halving its LR."""
     optimizer, scheduler = sgd_halving(model.parameters())
     norms = []
     for micro_batches in steps:
         batch = {key: torch.cat([b[key] for b in micro_batches]) for key in micro_batches[0]}
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
             value = loss(model, batch)
         value.backward()
-        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))))
         optimizer.step()
         scheduler.step()
-    assert min(norms) > CLIP  # clipping is part of what is compared
+    assert not clip or min(norms) > clip  # clipping is part of what is compared
 
 
 def worst(state, want, floor: float = 0.0) -> float:
@@ -174,22 +175,36 @@ def test_resuming_a_checkpoint_continues_bit_identically(tmp_path):
 
 
 @pytest.mark.slow
-def test_bf16_autocasts_the_forward(tmp_path):
-    """bf16=True: the convolutions run in bfloat16 (accelerate's autocast around the model's forward), and the trained
-    state is as close to float64 whole-batch training as whole-batch PyTorch under the same autocast is."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_autocasts_and_scales(precision, tmp_path):
+    """bf16=True, and fp16=True with the GradScaler Accelerate makes on CUDA (given to this CPU run, its autocast on):
+    the convolutions run in the low precision, and the trained state is as close to float64 whole-batch training as
+    whole-batch PyTorch under the same autocast is. Not clipped: a gradient left scaled, or unscaled twice, would be
+    off by the scale, 2**12."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     data = [{k: v.float() if v.is_floating_point() else v for k, v in d.items()} for d in images(23)]
     start = hf_model("resnet").float()
     ours = copy.deepcopy(start)
     seen = set()
     ours.resnet.embedder.embedder.convolution.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
-    trainer = train(ExactTrainer, ours, arguments(tmp_path / "ours", 3, 2, bf16=True), data)
-    assert seen == {torch.bfloat16}
+    optimizer, scheduler = sgd_halving(ours.parameters())
+    trainer = type("RecordingExactTrainer", (Recording, ExactTrainer), {})(
+        model=ours, args=arguments(tmp_path, 3, 2, max_grad_norm=0.0, **{precision: True}), train_dataset=data,
+        optimizers=(optimizer, scheduler))
+    trainer.steps = []
+    if precision == "fp16":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+        trainer.accelerator.native_amp, trainer.accelerator.scaler = True, scaler
+    trainer.train()
+    assert seen == {dtype}
+    if precision == "fp16":
+        assert trainer.accelerator.scaler.get_scale() == 2.0**12  # no step overflowed
     oracle, truth = copy.deepcopy(start), copy.deepcopy(start).double()
-    whole_batch(oracle, trainer.steps, bf16=True)
+    whole_batch(oracle, trainer.steps, autocast=dtype, clip=0.0)
     whole_batch(truth, [[{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in step]
-                        for step in trainer.steps])
+                        for step in trainer.steps], clip=0.0)
     assert_state_within_rounding(ours.state_dict(), oracle.state_dict(), truth.state_dict(),
-                                 tol=torch.finfo(torch.bfloat16).eps, slack=2.0)
+                                 tol=torch.finfo(dtype).eps, slack=2.0)
 
 
 class Poison(TrainerCallback):
