@@ -122,7 +122,9 @@ class ExactTrainer(Trainer):
             totals = self.accelerator.reduce(totals, reduction="sum")
         count, micro_batches = totals.tolist()
         factors = [_loss_scale(self, n) for n in items]  # what compute_loss multiplied its loss by
-        return [(c / count * micro_batches / f, n) for c, n, f in zip(counts, items, factors)]
+        # A micro-batch without items weighs 0; its count passed as 1 keeps a loss summed over no item at 0, not 0/0.
+        passed = [n if n is None else torch.clamp(torch.as_tensor(n), min=1) for n in items]
+        return [(c / count * micro_batches / f, n) for c, n, f in zip(counts, passed, factors)]
 
 
 def _micro_batch_loss(module: nn.Module, micro_batch: Any) -> Tensor:
