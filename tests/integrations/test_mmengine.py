@@ -63,11 +63,15 @@ def test_runner_equals_whole_batch_training_and_resumes_bit_identically(loop, tm
     checkpoint after 2 iterations (epoch 1) ends in the very same state."""
     data = tiny_dataset(12)
     model = mm_classifier()(tiny_bn())
-    runner(tmp_path / "run", model, mm_samples(data), loop=loop).train()
+    first = runner(tmp_path / "run", model, mm_samples(data), loop=loop)
+    first.train()
     oracle = tiny_bn()
-    _, norms = train_whole_batch(oracle, in_order(data, 8, 4), max_grad_norm=CLIP)
+    losses, norms = train_whole_batch(oracle, in_order(data, 8, 4), max_grad_norm=CLIP)
     assert min(norms) > CLIP  # clipping is part of what is compared
     assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
+    # the log variables of the last step (batch of 4 as 3 + 1): the whole batch's, micro-batches weighed by samples
+    for name in ("train/loss", "train/loss_cls"):
+        assert first.message_hub.get_scalar(name).current() == pytest.approx(losses[-1], rel=1e-9)
 
     # mmengine 0.10's checkpoints hold its own classes, which torch.load's weights_only default (torch >= 2.6) refuses
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")

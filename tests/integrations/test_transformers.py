@@ -84,21 +84,23 @@ def train(cls: type, model: nn.Module, args: TrainingArguments, data, **kwargs):
 
 
 def whole_batch(model: nn.Module, steps, loss=lambda model, batch: model(**batch)["loss"],
-                autocast: torch.dtype | None = None, clip: float = CLIP) -> None:
+                autocast: torch.dtype | None = None, clip: float = CLIP) -> list[float]:
     """The oracle: the steps' micro-batches joined, one forward/backward each (under CPU autocast to `autocast` if
-    given), clipped to `clip` (0: not clipped), SGD halving its LR."""
+    given), clipped to `clip` (0: not clipped), SGD halving its LR. Returns the losses."""
     optimizer, scheduler = sgd_halving(model.parameters())
-    norms = []
+    norms, losses = [], []
     for micro_batches in steps:
         batch = {key: torch.cat([b[key] for b in micro_batches]) for key in micro_batches[0]}
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
             value = loss(model, batch)
         value.backward()
+        losses.append(value.item())
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip or float("inf"))))
         optimizer.step()
         scheduler.step()
     assert not clip or min(norms) > clip  # clipping is part of what is compared
+    return losses
 
 
 def worst(state, want, floor: float = 0.0) -> float:
@@ -125,8 +127,10 @@ def test_trainer_equals_whole_batch_torch_and_the_stock_trainer_does_not(name, t
     trainer = train(ExactTrainer, ours, arguments(tmp_path / "ours", 3, 2), data)
     assert [[len(b["labels"]) for b in step] for step in trainer.steps] == [[3, 3]] * 3 + [[3, 2]]
     oracle = copy.deepcopy(start)
-    whole_batch(oracle, trainer.steps)
+    losses = whole_batch(oracle, trainer.steps)
     assert_trained_alike(ours.state_dict(), oracle.state_dict(), 1e-9)
+    # the Trainer's mean of the losses training_step returned (1 per step, 0 for the other micro-batch), in float32
+    assert trainer.state.log_history[-1]["train_loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
 
     if name != "resnet":
         return
