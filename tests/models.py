@@ -367,3 +367,56 @@ class Compiled(nn.Module):
 
     def forward(self, x):
         return self.compiled(x)
+
+
+class KeywordClassifier(nn.Module):
+    """`net` as the Hugging Face Trainer calls a model: keyword inputs, a dict with `logits` and, given labels,
+    `loss` (mean cross-entropy over the labels that are not -100)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, pixel_values: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.net(pixel_values)
+        return {"logits": logits} if labels is None else {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+def keyword_samples(dataset) -> list[dict[str, torch.Tensor]]:
+    """The (x, y) samples of a TensorDataset as the dicts a Hugging Face Trainer's collator stacks."""
+    return [{"pixel_values": x, "labels": y} for x, y in dataset]
+
+
+@functools.cache
+def mm_classifier() -> type:
+    """An mmengine BaseModel class around a classifier `net`: `loss` mode the mean cross-entropy of the batch
+    (data samples carry `gt_label`), or with `count_normalized` a loss divided by a count over the batch, as
+    detection heads divide by their positives: the cross-entropy summed over the samples whose label is not -1,
+    over how many they are. `loss_by_feat` takes the logits of a whole batch. Made on first use."""
+    from mmengine.model import BaseModel
+
+    class MMClassifier(BaseModel):
+        def __init__(self, net: nn.Module, count_normalized: bool = False) -> None:
+            super().__init__()
+            self.net, self.count_normalized = net, count_normalized
+
+        def forward(self, inputs, data_samples=None, mode: str = "tensor"):
+            logits = self.net(inputs)
+            return self.loss_by_feat(logits, data_samples) if mode == "loss" else logits
+
+        def loss_by_feat(self, logits, data_samples) -> dict[str, torch.Tensor]:
+            labels = torch.stack([s.gt_label for s in data_samples])
+            if not self.count_normalized:
+                return {"loss_cls": F.cross_entropy(logits, labels)}
+            counted = labels >= 0
+            summed = F.cross_entropy(logits, labels.clamp(min=0), reduction="none")[counted].sum()
+            return {"loss_cls": summed / counted.sum().clamp(min=1)}
+
+    return MMClassifier
+
+
+def mm_samples(dataset) -> list[dict]:
+    """The (x, y) samples of a TensorDataset as mmengine dataset items: inputs and a data sample with gt_label."""
+    from mmengine.structures import BaseDataElement
+
+    return [{"inputs": x, "data_samples": BaseDataElement(gt_label=y)} for x, y in dataset]

@@ -28,6 +28,12 @@ RUNS = {  # name: (script, arguments besides TINY)
     "accelerate_mnist": ("accelerate_mnist.py", ["--steps", "3", "--batch-size", "8", "--micro-batch-size", "4",
                                                  "--checkpoint", "{tmp}/state"]),
     "simclr_mnist": ("simclr_mnist.py", ["--steps", "2", "--batch-size", "8", "--micro-batch-size", "4"]),
+    "hf_trainer_resnet": ("hf_trainer_resnet.py", ["--steps", "3", "--batch-size", "8", "--micro-batch-size", "4"]),
+    "mmengine_classifier": ("mmengine_classifier.py", ["--steps", "3", "--batch-size", "8", "--micro-batch-size",
+                                                       "4"]),
+    "mmengine_classifier, count-normalized": (
+        "mmengine_classifier.py", ["--steps", "2", "--batch-size", "8", "--micro-batch-size", "4",
+                                   "--count-normalized"]),
 }
 
 

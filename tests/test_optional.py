@@ -8,7 +8,8 @@ import pytest
 
 from helpers import cpu_env
 
-INTEGRATIONS = {"lightning": "accumnorm.integrations.lightning", "accelerate": "accumnorm.integrations.accelerate"}
+INTEGRATIONS = {"lightning": "accumnorm.integrations.lightning", "accelerate": "accumnorm.integrations.accelerate",
+                "transformers": "accumnorm.integrations.transformers", "mmengine": "accumnorm.integrations.mmengine"}
 
 
 @pytest.mark.realtime

@@ -1,0 +1,191 @@
+"""Exact BatchNorm under gradient accumulation in the Hugging Face Trainer: one changed line.
+
+    from accumnorm.integrations.transformers import ExactTrainer
+
+    args = TrainingArguments("out", per_device_train_batch_size=8, gradient_accumulation_steps=4)  # as they were
+    trainer = ExactTrainer(model=model, args=args, train_dataset=train_set)     # was: Trainer(...)
+    trainer.train()
+
+`per_device_train_batch_size=b` with `gradient_accumulation_steps=K` means what it says: micro-batches of b,
+K of them per optimizer step. The Trainer already gathers the K micro-batches of a step before running any
+(`get_batch_samples`); at the first of them `training_step` runs all K through `accumnorm.backward` as one
+whole batch, so that every BatchNorm layer normalizes with the statistics of the b*K samples, and the K-1
+calls after it add nothing. The result is one step of the stock Trainer with `gradient_accumulation_steps=1`
+and batch b*K (under DDP: one process with the whole global batch).
+
+The loss is the Trainer's `compute_loss` (the model's `outputs.loss`, or `compute_loss_func`, or your
+override), called on each micro-batch with `num_items_in_batch` set to that micro-batch's own count of
+items (the labels that are not -100, as the Trainer counts them). A loss normalized by that count and a
+model that ignores it (a mean over its samples, such as ResNetForImageClassification's) then both give the
+micro-batch's mean, and the micro-batches are weighted by their counts over the whole batch: exact for
+token-level losses, a short last batch included. Without a count (no `labels`) the weights are sample counts.
+
+Everything else is the Trainer's: logging, checkpoints and resume, `max_grad_norm`, LR schedulers, callbacks,
+`bf16` autocast and `fp16` (its GradScaler scales the loss here), DDP under torchrun (accumnorm reduces
+statistics and gradients itself; the DDP wrapper's reducer is never armed). Refused when the Trainer is made,
+or at the first step before anything changes (a ValueError saying what to change): DeepSpeed, FSDP,
+`torch_compile=True` or a compiled model, several GPUs in one process (DataParallel), an optimizer over other
+tensors than the model's parameters. A step that fails (a NaN loss, an exception, Ctrl-C) changes nothing: the
+Trainer sees the error before its optimizer, scheduler or `global_step` move.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import accumnorm
+
+from .._engine.args import BNMode, Schedule
+from .._optimizer import check_optimizer
+from ._checks import backward_options, refuse_compiled
+
+try:
+    from transformers import Trainer
+except ImportError as err:  # an optional integration: the core needs only torch
+    raise ImportError("accumnorm.integrations.transformers needs transformers: "
+                      "pip install 'accumnorm[transformers]'") from err
+
+__all__ = ["ExactTrainer"]
+
+
+class ExactTrainer(Trainer):
+    """A `transformers.Trainer` whose optimizer steps take the exact gradient of the K micro-batches of each step.
+
+    Args:
+        *args, **kwargs: those of `transformers.Trainer`, unchanged.
+        bn: "exact" (every BatchNorm call sees the whole batch of a step, across processes) or "micro"
+            (per-micro-batch statistics: plain accumulation with whole-batch loss weights). Default: "exact".
+        schedule, store: how exact mode runs, as for `accumnorm.backward`. Default: "auto", None.
+
+    Examples::
+
+        >>> model = ResNetForImageClassification(ResNetConfig(num_labels=10))
+        >>> args = TrainingArguments("out", per_device_train_batch_size=4, gradient_accumulation_steps=8, bf16=True)
+        >>> ExactTrainer(model=model, args=args, train_dataset=train_set).train()   # BatchNorm over 32 images
+    """
+
+    def __init__(self, *args: Any, bn: BNMode = "exact", schedule: Schedule = "auto",
+                 store: str | torch.device | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._accumnorm_options = backward_options(self.model, _micro_batch_loss, micro_batch_size=1, bn=bn,
+                                                   schedule=schedule, store=store)
+        self._accumnorm_batches: list[Any] = []  # the micro-batches of the step get_batch_samples gathered
+        self._accumnorm_checked = False
+        _check_set_up(self)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        """The Trainer's K micro-batches of a step, kept for `training_step` to run as one whole batch."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._accumnorm_batches = batches
+        return batches, num_items
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any],
+                      num_items_in_batch: Tensor | int | None = None) -> Tensor:
+        """At the step's first micro-batch, put the gradient of the whole step's loss in `.grad` and return that
+        loss; at the others, return 0 (the Trainer adds the K returns up for its log)."""
+        batches = self._accumnorm_batches
+        if not any(inputs is b for b in batches):
+            raise RuntimeError("ExactTrainer.training_step got a batch that get_batch_samples did not gather: it "
+                               "runs only inside the Trainer's training loop (call trainer.train())")
+        if inputs is not batches[0]:
+            return torch.zeros((), device=self.args.device)
+        if not self._accumnorm_checked:
+            _check_step(self, model)
+            self._accumnorm_checked = True
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        batches = [self._prepare_inputs(b) for b in batches]
+        weights = self._micro_batch_weights(batches)
+        scaler = getattr(self.accelerator, "scaler", None)
+
+        def loss_fn(module: nn.Module, micro: dict[str, list]) -> Tensor:
+            (batch,), ((weight, items),) = micro["batch"], micro["weight"]
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(module, dict(batch), num_items_in_batch=items)  # a copy: it pops labels
+            return loss * weight
+
+        loss = accumnorm.backward(model, {"batch": batches, "weight": weights}, loss_fn, grad_scaler=scaler,
+                                  **self._accumnorm_options)
+        return loss.to(self.args.device)
+
+    def _micro_batch_weights(self, batches: list[dict[str, Any]]) -> list[tuple[float, Any]]:
+        """Per micro-batch: the factor on its `compute_loss` that makes accumnorm's equal weights (1 / micro-batches,
+        over all processes) the whole batch's weights (its share of the items, or of the samples), and the
+        count of items to pass as `num_items_in_batch` (None where the Trainer counts none)."""
+        items = [_local_items(self, b) for b in batches]
+        counts = [float(n) if n is not None else float(_samples(b)) for n, b in zip(items, batches)]
+        totals = torch.tensor([sum(counts), len(batches)], dtype=torch.float64, device=self.args.device)
+        if self.accelerator.num_processes > 1:
+            totals = self.accelerator.reduce(totals, reduction="sum")
+        count, micro_batches = totals.tolist()
+        factors = [_loss_scale(self, n) for n in items]  # what compute_loss multiplied its loss by
+        # A micro-batch without items weighs 0; its count passed as 1 keeps a loss summed over no item at 0, not 0/0.
+        passed = [n if n is None else torch.clamp(torch.as_tensor(n), min=1) for n in items]
+        return [(c / count * micro_batches / f, n) for c, n, f in zip(counts, passed, factors)]
+
+
+def _micro_batch_loss(module: nn.Module, micro_batch: Any) -> Tensor:
+    """Stands for the Trainer's loss in the set-up checks of accumnorm.backward's arguments."""
+    raise NotImplementedError
+
+
+def _samples(batch: dict[str, Any]) -> int:
+    """Samples in an HF batch: dim 0 of its first tensor."""
+    for value in batch.values():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            return len(value)
+    raise ValueError(f"a batch of the Trainer holds no tensor with a batch dimension: keys {sorted(batch)}")
+
+
+def _local_items(trainer: Trainer, batch: dict[str, Any]) -> Tensor | None:
+    """The Trainer's own count of items (labels that are not -100) in one micro-batch of this process."""
+    args = trainer.args
+    averaged, args.average_tokens_across_devices = args.average_tokens_across_devices, False  # no all-gather
+    try:
+        return trainer._get_num_items_in_batch([batch], args.device)
+    finally:
+        args.average_tokens_across_devices = averaged
+
+
+def _loss_scale(trainer: Trainer, num_items: Any) -> float:
+    """The factor the stock `compute_loss` multiplies a loss by, as it decides it (the process count, for DDP's
+    mean of the ranks' gradients to be their sum)."""
+    if (trainer.args.average_tokens_across_devices and num_items is not None
+            and (trainer.model_accepts_loss_kwargs or trainer.compute_loss_func)):
+        return float(trainer.accelerator.num_processes // trainer.get_tp_size())
+    return 1.0
+
+
+def _check_set_up(trainer: Trainer) -> None:
+    """Refuse, when the Trainer is made, the settings under which its steps would not be exact."""
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        engine = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP"
+        raise ValueError(f"ExactTrainer runs on one device or under DDP, got {engine}: accumnorm does not shard "
+                         f"the model's statistics and gradients; remove the {engine.lower()} setting from "
+                         "TrainingArguments (or the accelerate config) to train with DDP")
+    if trainer.args.torch_compile:
+        raise ValueError("TrainingArguments(torch_compile=True) compiles the model, whose BatchNorm calls accumnorm "
+                         "then cannot see: set torch_compile=False")
+    refuse_compiled(trainer.model, "pass the model uncompiled")
+    if trainer.args.n_gpu > 1:
+        raise ValueError(f"the Trainer would run nn.DataParallel over {trainer.args.n_gpu} GPUs in one process, "
+                         "whose replicas normalize their shares alone: launch one process per GPU with torchrun "
+                         "(DDP), or make one GPU visible")
+    if trainer.optimizer is not None:
+        check_optimizer(trainer.optimizer, trainer.model, "pass optimizers=(optimizer, scheduler) over "
+                        "model.parameters(), or let the Trainer make them")
+
+
+def _check_step(trainer: Trainer, model: nn.Module) -> None:
+    """Refuse, at the first step and before it changes anything, what only the prepared objects show."""
+    inner = trainer.accelerator.unwrap_model(model, keep_torch_compile=True)
+    refuse_compiled(inner, "set torch_compile=False and pass the model uncompiled")
+    if model is not inner and not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(f"ExactTrainer runs on one device or under DDP, got the model wrapped in "
+                         f"{type(model).__name__}")
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+    check_optimizer(optimizer, inner, "pass optimizers=(optimizer, scheduler) over model.parameters(), or let "
+                    "the Trainer make them")
