@@ -100,3 +100,17 @@ def test_300_failed_steps_leave_live_tensors_and_models_flat(schedule, one_threa
     assert _live(torch.Tensor) <= tensors
     assert _live(_Net) <= models
     assert [r for r in dropped if r() is not None] == []
+
+
+def test_a_store_on_the_tensors_device_keeps_no_graph_alive():
+    """A store given for a model elsewhere (store='cpu' for a CUDA model) keeps the tensors already on its device as
+    they are: a saved output among them must not hold its own node, or a graph no backward ran stays alive."""
+    from accumnorm._engine.store import Store
+
+    x = torch.randn(4, 3, requires_grad=True)
+    with Store(torch.device("cpu")).hooks():
+        y = torch.tanh(x * 2)  # tanh's backward keeps its output
+    saved = weakref.ref(y)
+    del y
+    gc.collect()
+    assert saved() is None
