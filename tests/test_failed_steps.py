@@ -23,11 +23,12 @@ FAILURES = ("before the forward", "at a BatchNorm call", "after the forward", "n
 class _Net(nn.Module):
     """BatchNorm, and a Tanh whose output its backward keeps, in or out of a checkpointed region."""
 
-    def __init__(self, checkpointed: bool) -> None:
+    def __init__(self, checkpointed: bool, norms: bool = True) -> None:
         super().__init__()
-        self.checkpointed = checkpointed
-        self.block = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh())
-        self.head = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4))
+        self.checkpointed, self.norms = checkpointed, norms
+        norm = nn.BatchNorm1d if norms else nn.Identity  # without: "auto" runs a whole-batch loss as GradCache does
+        self.block = nn.Sequential(nn.Linear(6, 8), norm(8), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(8, 8), norm(8), nn.Tanh(), nn.Linear(8, 4))
 
     def forward(self, x):
         h = checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
@@ -70,30 +71,31 @@ def _failing_step(model: nn.Module, failure: str, whole: bool, schedule: str, x:
     handle = model.head[1].register_forward_pre_hook(fail_at_batch_norm)
     try:
         with pytest.raises((RuntimeError, ValueError), match="failure in micro-batch 2|not finite"):
+            how = dict(bn="micro") if schedule == "micro" else dict(schedule=schedule)
             if whole:
                 accumnorm.backward(model, x, micro_batch_size=2, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
-                                   targets=y, schedule=schedule)
+                                   targets=y, **how)
             else:
-                accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule=schedule)
+                accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, **how)
     finally:
         handle.remove()
 
 
-@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes", "auto"])
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes", "auto", "micro"])
 def test_300_failed_steps_leave_live_tensors_and_models_flat(schedule, one_thread):
     torch.manual_seed(0)
     x, y = torch.randn(6, 6), torch.randint(0, 4, (6,))
-    kept = [_Net(False), _Net(True)]
-    cases = itertools.cycle([(failure, whole, model)
-                             for failure, whole, model in itertools.product(FAILURES, (False, True), kept)
-                             if whole or failure != "in batch_loss_fn"])
-    for failure, whole, model in itertools.islice(cases, 40):  # warm: each model's figures, every case twice
+    kept = [_Net(False), _Net(True), _Net(True, norms=False)]
+    every = [(failure, whole, model) for failure, whole, model in itertools.product(FAILURES, (False, True), kept)
+             if whole or failure != "in batch_loss_fn"]
+    cases = itertools.cycle(every)
+    for failure, whole, model in itertools.islice(cases, 2 * len(every)):  # warm: each model's figures, each case twice
         _failing_step(model, failure, whole, schedule, x, y)
     tensors, models = _live(torch.Tensor), _live(_Net)
     dropped = []
     for i, (failure, whole, model) in enumerate(itertools.islice(cases, 300)):
         if i % 3 == 0:  # a fresh model, dropped after its one failed step
-            model = _Net(model.checkpointed)
+            model = _Net(model.checkpointed, model.norms)
             dropped.append(weakref.ref(model))
         _failing_step(model, failure, whole, schedule, x, y)
         del model
