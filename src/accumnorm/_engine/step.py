@@ -147,7 +147,10 @@ class Step:
                 theirs = self.describe(first) if first is not None else "none (it had ended its forward)"
                 raise ValueError(
                     f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but at "
-                    f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made {theirs}")
+                    f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made {theirs}. No schedule "
+                    "can join calls that differ into one call of the whole batch. Nothing was changed. Make every "
+                    "micro-batch's forward make the same calls (layers, shapes, dtypes, grad mode, autocast), or use "
+                    "bn='micro'")
 
     def inner_backward_refusal(self, call: BNCall, index: int, running: Callable[[], int | None],
                                alone: bool = False) -> Callable[[Any], None]:
