@@ -18,6 +18,7 @@ import random
 import signal
 import sys
 import time
+from traceback import walk_tb as traceback_frames
 
 import greenlet
 import torch
@@ -28,7 +29,11 @@ from torch.utils.checkpoint import checkpoint
 import accumnorm
 
 PATHS = {"layerwise": dict(schedule="layerwise"), "recompute": dict(schedule="recompute"),
-         "passes": dict(schedule="passes"), "micro": dict(bn="micro")}
+         "passes": dict(schedule="passes"), "micro": dict(bn="micro"),
+         # A loss over the whole batch: the micro-batches meet at the loss too; and, on a model without norm
+         # statistics, "auto"'s one micro-batch at a time (GradCache's scheme).
+         "whole-layerwise": dict(schedule="layerwise", whole=True),
+         "whole-gradcache": dict(schedule="auto", whole=True)}
 
 
 class Net(nn.Module):
@@ -44,6 +49,26 @@ class Net(nn.Module):
     def forward(self, x):
         x = self.stem(x)
         return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+class Plain(nn.Module):
+    """No norm with batch statistics: "auto" runs a whole-batch loss one micro-batch at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.Tanh(), nn.Dropout(0.2), nn.Flatten(),
+                                  nn.Linear(8 * 8 * 8, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def forward_fn(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)
+
+
+def batch_loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs, targets)
 
 
 def loss_fn(model: nn.Module, batch) -> torch.Tensor:
@@ -81,39 +106,60 @@ def _land_the_alarm() -> None:
     time.sleep(0.001)
 
 
-def run_path(name: str, kwargs: dict, mid_step: int, max_tries: int, rng: random.Random) -> list[str]:
+def run_path(name: str, kwargs: dict, mid_step: int, min_tries: int, max_tries: int, rng: random.Random) -> list[str]:
     torch.manual_seed(0)
-    model, batch = Net(), (torch.randn(12, 1, 8, 8), torch.randint(0, 10, (12,)))
-    accumnorm.backward(model, batch, loss_fn, micro_batch_size=3, **kwargs)  # gradients and statistics to keep
+    kwargs = dict(kwargs)
+    whole = kwargs.pop("whole", False)
+    model, batch = (Plain() if name == "whole-gradcache" else Net()), (torch.randn(12, 1, 8, 8),
+                                                                         torch.randint(0, 10, (12,)))
+
+    def step(model: nn.Module) -> None:
+        if whole:
+            accumnorm.backward(model, batch[0], micro_batch_size=3, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
+                               targets=batch[1], **kwargs)
+        else:
+            accumnorm.backward(model, batch, loss_fn, micro_batch_size=3, **kwargs)
+
+    step(model)  # gradients and statistics to keep
     before, rng_before = state(model), torch.random.get_rng_state()
     done = copy.deepcopy(model)  # deepcopy leaves .grad behind
     for p, q in zip(model.parameters(), done.parameters()):
         q.grad = p.grad.clone()
     start = time.perf_counter()
-    accumnorm.backward(done, batch, loss_fn, micro_batch_size=3, **kwargs)
+    step(done)
     step_s = time.perf_counter() - start
     torch.random.set_rng_state(rng_before)
     after, rng_after = state(done), None
-    problems, tries, interrupted, rolled_back = [], 0, 0, 0
-    while rolled_back < mid_step and tries < max_tries:
+    problems, tries, interrupted, rolled_back, late = [], 0, 0, 0, 0
+    while (rolled_back < mid_step or tries < min_tries) and tries < max_tries:
         i, tries = tries, tries + 1
         torch.random.set_rng_state(rng_before)
+        # Every other moment near the step's end, where it commits and returns.
+        moment = rng.uniform(1e-6, 1.2 * step_s) if i % 2 else rng.uniform(0.8, 1.1) * step_s
+        raised = False
         try:
             try:
                 start = time.perf_counter()
-                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 1.2 * step_s))
-                accumnorm.backward(model, batch, loss_fn, micro_batch_size=3, **kwargs)
+                signal.setitimer(signal.ITIMER_REAL, moment)
+                step(model)
                 step_s = time.perf_counter() - start  # a whole step: the next moment is drawn over its time
             finally:
                 _land_the_alarm()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             interrupted += 1
+            # Raised inside the step, not by the alarm landing after it returned.
+            raised = any(frame.f_globals.get("__name__", "").startswith("accumnorm.")
+                         for frame, _ in traceback_frames(e.__traceback__))
         except Exception as e:  # an interrupt must come out as itself
             problems.append(f"{name} try {i}: the interrupt came out as {type(e).__name__}: {e}")
         now = state(model)
         if rng_after is None and same(now, after):
             rng_after = torch.random.get_rng_state()
         rolled_back += same(now, before)
+        if raised and not same(now, before):
+            late += 1
+            problems.append(f"{name} try {i}: a KeyboardInterrupt reached the caller after the step's changes were "
+                            "made")
         if not (same(now, before) or same(now, after)):
             names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
             differ = [n for n, x, y, z in zip(names, now, before, after)
@@ -135,13 +181,15 @@ def run_path(name: str, kwargs: dict, mid_step: int, max_tries: int, rng: random
     if rolled_back < mid_step:
         problems.append(f"{name}: only {rolled_back} of {tries} interrupts landed inside a step, {mid_step} wanted")
     print(f"{name}: {tries} tries, {interrupted} interrupted ({rolled_back} during the step, rolled back), "
-          f"{len(problems)} problems", flush=True)
+          f"{late} late, {len(problems)} problems", flush=True)
     return problems
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--mid-step", type=int, default=10, help="interrupts that must land inside a step, per path")
+    p.add_argument("--min-tries", type=int, default=0, help="per path: tries at least this many")
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated, of: " + ", ".join(PATHS))
     p.add_argument("--max-tries", type=int, default=1000, help="per path: the guard against an interrupt that never "
                    "lands inside a step")
     p.add_argument("--seed", type=int, default=0)
@@ -150,8 +198,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
     signal.signal(signal.SIGALRM, _sigint)
     rng = random.Random(args.seed)
-    problems = [msg for name, kwargs in PATHS.items()
-                for msg in run_path(name, kwargs, args.mid_step, args.max_tries, rng)]
+    problems = [msg for name in args.paths.split(",")
+                for msg in run_path(name, PATHS[name], args.mid_step, args.min_tries, args.max_tries, rng)]
     for msg in problems[:20]:
         print(msg)
     return 1 if problems else 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -169,14 +169,11 @@ def backward(
         refuse_before_step(names, schedule)
     store_hooks = store_for(store_device, _device(model))
     budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(_device(model))
-    call = StepCall(model, micro_batches, objective, collectives, exact)
-    _RUNNING.step = True
-    try:
-        with _room_for_the_steps_frames():
-            return _transaction(call, names, lambda new_step, start_over: run_step(
-                new_step, schedule, store_hooks, start_over, sum(sizes), budget))
-    finally:
-        _RUNNING.step = False
+    # Nothing but the return after it: the step's own ending (this thread's flag, the recursion limit) is inside it,
+    # before the last moment a Ctrl-C can still undo the step.
+    return _transaction(StepCall(model, micro_batches, objective, collectives, exact), names,
+                        lambda new_step, start_over: run_step(new_step, schedule, store_hooks, start_over, sum(sizes),
+                                                              budget))
 
 
 # The frames a step puts between the caller and the model's forward (the driver, a coroutine's start, each
@@ -214,8 +211,12 @@ def _transaction(call: StepCall, names: dict[nn.Module, str],
     rng = StepRng(len(call.micro_batches), transaction.cuda_devices())
     interrupts = SigintDeferred()
     steps: list[Step] = []
+    room = _room_for_the_steps_frames()
+    ended = False  # the step committed and ended, and SIGINT is the caller's again
     try:
         interrupts.start()
+        room.__enter__()
+        _RUNNING.step = True
         transaction.begin()
         rng.start()
 
@@ -243,19 +244,38 @@ def _transaction(call: StepCall, names: dict[nn.Module, str],
                 m.accumnorm_step_end()
         transaction.commit()
         rng.close(failed=False)
-        interrupts.close()  # a Ctrl-C that came during the step is raised here, and undoes it
+        _end(steps, room, caller)
+        del step  # the step's objects go now, while a Ctrl-C is deferred: weakref callbacks as they go would drop it
+        # The last call before the return: a Ctrl-C that came during the step, or comes until SIGINT's handler is
+        # the caller's again, is raised here, and undoes the step; one after it reaches the caller's code once the
+        # step has returned.
+        interrupts.close()
+        ended = True
     except BaseException:
         transaction.rollback()
         rng.close(failed=True)
         raise
     finally:
+        if not ended:
+            try:
+                _end(steps, room, caller)
+            finally:
+                interrupts.close()
+    return loss
+
+
+def _end(steps: list[Step], room: AbstractContextManager[None], caller: ThreadState) -> None:
+    """What ends a step, committed or not: its regions let go, this thread's flag and recursion limit back, and the
+    caller's thread as it was (grad mode, autocast, modes, hooks). Each part is done once, even if interrupted."""
+    try:
         for made in steps:
             made.regions.clear()
-        try:
-            interrupts.close()
-        finally:  # whatever ended the step, the caller's thread is as it was: grad mode, autocast, modes, hooks
-            caller.apply(ThreadState.capture())
-    return loss
+        steps.clear()
+        if getattr(_RUNNING, "step", False):
+            _RUNNING.step = False
+            room.__exit__(None, None, None)
+    finally:
+        caller.apply(ThreadState.capture())
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -231,8 +231,8 @@ class NormCalls(TorchFunctionMode):
                     "exact")
             raise ValueError(
                 f"bn='exact' cannot make a BatchNorm call inside the forward of the custom autograd.Function "
-                f"{name} exact: its backward is its own, and cannot use the whole batch's BatchNorm sums. Call the "
-                "BatchNorm layer outside the Function, or use bn='micro'")
+                f"{name} exact: its backward is its own, and cannot use the whole batch's BatchNorm sums. Nothing was "
+                "changed. Call the BatchNorm layer outside the Function, or use bn='micro'")
 
 
 def _refuse_own_average(layer: nn.Module, factor: float | None) -> None:
@@ -277,4 +277,18 @@ def _function_class(frame: FrameType) -> type | None:
         if isinstance(ctx, torch.autograd.function.FunctionCtx):
             return getattr(type(ctx), "_forward_cls", type(ctx))
     owner = frame.f_globals.get(getattr(code, "co_qualname", "").rpartition(".")[0])  # setup_context style
-    return owner if isinstance(owner, type) and issubclass(owner, torch.autograd.Function) else None
+    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
+        return owner
+    return _function_with_forward(code)  # one defined inside a function, which no module global names
+
+
+def _function_with_forward(code: CodeType) -> type | None:
+    """The custom autograd.Function class (any that exists now) whose forward runs `code`, or None."""
+    stack = [torch.autograd.Function]
+    while stack:
+        cls = stack.pop()
+        forward = vars(cls).get("forward")
+        if getattr(getattr(forward, "__func__", forward), "__code__", None) is code:
+            return cls
+        stack.extend(cls.__subclasses__())
+    return None

@@ -172,7 +172,11 @@ class Meter:
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
                 self._check()
-        return t if self.store is None else self.store.pack(t)
+        if self.store is not None:
+            return self.store.pack(t)
+        # Not `t` itself: a node's saved output would hold its own node through it, a cycle through autograd's C++
+        # that Python's collector cannot see, which keeps a failed step's graph (and its model) alive.
+        return t if t.grad_fn is None else t.detach()
 
     def unpack(self, packed: Any) -> Tensor:
         return packed if self.store is None else self.store.unpack(packed)

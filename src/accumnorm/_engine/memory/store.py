@@ -60,9 +60,13 @@ class Store:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: Tensor) -> Any:
-        # Parameters are kept by reference: copying a weight once per micro-batch would only waste memory.
-        if t.device == self.device or isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+        # Parameters are kept by reference: copying a weight once per micro-batch would only waste memory. A non-leaf
+        # is kept as a detached alias: a node's saved output would otherwise hold its own node, a cycle through
+        # autograd's C++ that keeps a failed step's graph alive.
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
             return t
+        if t.device == self.device:
+            return t if t.grad_fn is None else t.detach()
         if self._host is not None and t.is_cuda:
             return self._host.pack(t)
         packed = torch.empty_like(t, device=self.device)

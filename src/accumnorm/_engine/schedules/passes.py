@@ -112,8 +112,10 @@ class _Passes:
         if i >= len(self.calls):
             raise self._not_the_same(self.k, f"BatchNorm call {i} ({self.step.describe(bn)})")
         call = self.calls[i]
-        # Each micro-batch's forward is its own call of torch's: only autocast must agree.
-        self.step.meeting.check_same([call.first, bn], i, micro_batches=(0, self.k), grad_mode=False)
+        # Each micro-batch's forward is its own call of torch's, but they are pieces of one call of the whole batch:
+        # autocast and the grad mode must agree (a piece under no_grad would leave its rows out of the call's backward
+        # sums, which no whole batch can).
+        self.step.meeting.check_same([call.first, bn], i, micro_batches=(0, self.k))
         y = self._normalized(call, i, bn)
         self.running.moved(call.first, call.running)
         if y.grad_fn is not None:  # a backward through it from inside a forward is refused (`_inner_backward`)

@@ -62,23 +62,26 @@ class Meeting:
                 return outputs, CallReplay(first, first.input, None, stats, outputs[0].requires_grad, keeps_input=True)
             return normalize_whole(first, inputs, momentum, across_ranks, reduce_sums)
 
-    def check_same(self, calls: Sequence[BNCall | None], index: int, micro_batches: Sequence[int] | None = None,
-                   grad_mode: bool = True) -> None:
+    def check_same(self, calls: Sequence[BNCall | None], index: int,
+                   micro_batches: Sequence[int] | None = None) -> None:
         """Raise, naming what differs and where, unless every micro-batch is at the same BatchNorm call.
 
-        `calls[i]` is micro-batch `micro_batches[i]`'s (default: i's) piece; `grad_mode`: the grad modes must agree.
+        `calls[i]` is micro-batch `micro_batches[i]`'s (default: i's) piece.
         """
         first = calls[0]
         if first is not None and all(call is not None and identical(first, call) for call in calls[1:]):
             return
         for i, call in enumerate(calls[1:], 1):
-            problem = difference(first, call, grad_mode, self.names)
+            problem = difference(first, call, self.names)
             if problem is not None:
                 k = micro_batches[i] if micro_batches is not None else i
                 theirs = describe(first, self.names) if first is not None else "none (it had ended its forward)"
                 raise ValueError(
                     f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order, but at "
-                    f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made {theirs}")
+                    f"BatchNorm call {index} micro-batch {k} {problem} where micro-batch 0 made {theirs}. No schedule "
+                    "can join calls that differ into one call of the whole batch. Nothing was changed. Make every "
+                    "micro-batch's forward make the same calls (layers, shapes, dtypes, grad mode, autocast), or use "
+                    "bn='micro'")
 
     def check_count(self, rows: int, shape: Sequence[int]) -> None:
         """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch of `rows`

@@ -26,8 +26,7 @@ def identical(first: BNCall, call: BNCall) -> bool:
             and call.counted == first.counted)
 
 
-def difference(first: BNCall | None, call: BNCall | None, grad_mode: bool,
-                names: dict[nn.Module, str]) -> str | None:
+def difference(first: BNCall | None, call: BNCall | None, names: dict[nn.Module, str]) -> str | None:
     """What differs between two micro-batches' pieces of a BatchNorm call, or None if they are pieces of one call."""
     if call is None:
         return None if first is None else "had ended its forward"
@@ -42,9 +41,8 @@ def difference(first: BNCall | None, call: BNCall | None, grad_mode: bool,
         ("eps", call.eps, first.eps),
         ("autocast", call.modes.autocast, first.modes.autocast),
         ("whether the layer's forward made it", call.counted, first.counted),
+        ("grad mode", (call.modes.grad, call.modes.fwd_grad), (first.modes.grad, first.modes.fwd_grad)),
     ]
-    if grad_mode:
-        checks.append(("grad mode", (call.modes.grad, call.modes.fwd_grad), (first.modes.grad, first.modes.fwd_grad)))
     if not (isinstance(call.module, _BatchNorm) and call.module.momentum is None):  # else momentum counts the calls
         checks.append(("momentum", call.momentum, first.momentum))
     for what, got, expected in checks:

@@ -1,0 +1,118 @@
+"""Failed steps leave nothing alive: 300 failing steps under every schedule, errors before, during and after the
+forward, with and without a checkpointed region, in both forms of the loss, keep the number of live tensors and
+models flat, and a model dropped after a failed step is freed."""
+from __future__ import annotations
+
+import contextvars
+import gc
+import itertools
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import accumnorm
+
+_FAILING = contextvars.ContextVar("failing", default=False)  # per micro-batch: each coroutine has its own context
+FAILURES = ("before the forward", "at a BatchNorm call", "after the forward", "nan loss", "in batch_loss_fn")
+
+
+class _Net(nn.Module):
+    """BatchNorm, and a Tanh whose output its backward keeps, in or out of a checkpointed region."""
+
+    def __init__(self, checkpointed: bool, norms: bool = True) -> None:
+        super().__init__()
+        self.checkpointed, self.norms = checkpointed, norms
+        norm = nn.BatchNorm1d if norms else nn.Identity  # without: "auto" runs a whole-batch loss as GradCache does
+        self.block = nn.Sequential(nn.Linear(6, 8), norm(8), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(8, 8), norm(8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        h = checkpoint(self.block, x, use_reentrant=False) if self.checkpointed else self.block(x)
+        return self.head(h)
+
+
+def _live(cls: type) -> int:
+    gc.collect()
+    return sum(issubclass(type(o), cls) for o in gc.get_objects())
+
+
+def _failing_step(model: nn.Module, failure: str, whole: bool, schedule: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of `model` that fails as `failure` says, in micro-batch 2 of 3; `whole`: with a whole-batch loss."""
+    poisoned = x[4:6]
+
+    def fail_at_batch_norm(module, args):
+        if _FAILING.get():
+            raise RuntimeError("failure in micro-batch 2")
+
+    def forward_fn(m, b):
+        if failure == "before the forward" and torch.equal(b, poisoned):
+            raise RuntimeError("failure in micro-batch 2")
+        token = _FAILING.set(failure == "at a BatchNorm call" and torch.equal(b, poisoned))
+        try:
+            out = m(b)
+        finally:
+            _FAILING.reset(token)
+        if failure == "after the forward" and torch.equal(b, poisoned):
+            raise RuntimeError("failure in micro-batch 2")
+        return out * float("nan") if failure == "nan loss" and torch.equal(b, poisoned) else out
+
+    def loss_fn(m, b):
+        return F.cross_entropy(forward_fn(m, b[0]), b[1])
+
+    def batch_loss_fn(outputs, targets):
+        if failure == "in batch_loss_fn":
+            raise RuntimeError("failure in micro-batch 2 (the whole batch's loss)")
+        return F.cross_entropy(outputs, targets)
+
+    handle = model.head[1].register_forward_pre_hook(fail_at_batch_norm)
+    try:
+        with pytest.raises((RuntimeError, ValueError), match="failure in micro-batch 2|not finite"):
+            how = dict(bn="micro") if schedule == "micro" else dict(schedule=schedule)
+            if whole:
+                accumnorm.backward(model, x, micro_batch_size=2, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
+                                   targets=y, **how)
+            else:
+                accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, **how)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes", "auto", "micro"])
+def test_300_failed_steps_leave_live_tensors_and_models_flat(schedule, one_thread):
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 6), torch.randint(0, 4, (6,))
+    kept = [_Net(False), _Net(True), _Net(True, norms=False)]
+    every = [(failure, whole, model) for failure, whole, model in itertools.product(FAILURES, (False, True), kept)
+             if whole or failure != "in batch_loss_fn"]
+    cases = itertools.cycle(every)
+    for failure, whole, model in itertools.islice(cases, 2 * len(every)):  # warm: each model's figures, each case twice
+        _failing_step(model, failure, whole, schedule, x, y)
+    tensors, models = _live(torch.Tensor), _live(_Net)
+    dropped = []
+    for i, (failure, whole, model) in enumerate(itertools.islice(cases, 300)):
+        if i % 3 == 0:  # a fresh model, dropped after its one failed step
+            model = _Net(model.checkpointed, model.norms)
+            dropped.append(weakref.ref(model))
+        _failing_step(model, failure, whole, schedule, x, y)
+        del model
+    assert _live(torch.Tensor) <= tensors
+    assert _live(_Net) <= models
+    assert [r for r in dropped if r() is not None] == []
+
+
+def test_a_store_on_the_tensors_device_keeps_no_graph_alive():
+    """A store given for a model elsewhere (store='cpu' for a CUDA model) keeps the tensors already on its device as
+    they are: a saved output among them must not hold its own node, or a graph no backward ran stays alive."""
+    from accumnorm._engine.memory.store import Store
+
+    x = torch.randn(4, 3, requires_grad=True)
+    with Store(torch.device("cpu")).hooks():
+        y = torch.tanh(x * 2)  # tanh's backward keeps its output
+    saved = weakref.ref(y)
+    del y
+    gc.collect()
+    assert saved() is None

@@ -1,0 +1,105 @@
+"""A Ctrl-C that lands as a step commits and returns: at every moment from the commit to the return where Python
+would run SIGINT's handler (a function's start, the end of a call into C), the step either undoes everything and
+raises KeyboardInterrupt, or has returned; never a KeyboardInterrupt with the step's changes made."""
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import accumnorm
+from accumnorm._engine.safety.transaction import Transaction
+
+PATHS = {"layerwise": dict(schedule="layerwise"), "recompute": dict(schedule="recompute"),
+         "passes": dict(schedule="passes"), "auto": dict(schedule="auto"), "micro": dict(bn="micro")}
+
+
+class _Net(nn.Module):
+    def __init__(self, norms: bool) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8) if norms else nn.Identity(), nn.Tanh())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def _state(model: nn.Module) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in (*(p.grad for p in model.parameters()), *model.buffers())]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+class _SigintAfterCommit:
+    """Calls SIGINT's handler, as Python would for a SIGINT landing there, at the n-th moment after the step's
+    commit where Python runs signal handlers: a Python function's start, or the return of a call into C."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.committed, self.seen = n, False, 0
+
+    def __call__(self, frame, event: str, arg) -> None:
+        if not self.committed or event not in ("call", "c_return"):
+            return
+        self.seen += 1
+        if self.seen == self.n + 1:
+            sys.setprofile(None)
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                handler(signal.SIGINT, frame)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["loss per micro-batch", "whole-batch loss"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_sigint_as_the_step_commits_undoes_it_or_comes_after_the_return(path, whole, monkeypatch, one_thread):
+    torch.manual_seed(0)
+    # With a whole-batch loss, "auto" on a model without norm statistics runs one micro-batch at a time (GradCache).
+    model = _Net(norms=not (whole and path == "auto"))
+    x, y = torch.randn(6, 6), torch.randint(0, 4, (6,))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def step() -> None:
+        if whole:
+            accumnorm.backward(model, x, micro_batch_size=2, forward_fn=lambda m, b: m(b),
+                               batch_loss_fn=F.cross_entropy, targets=y, **PATHS[path])
+        else:
+            accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=2,
+                               **PATHS[path])
+
+    injected: list[_SigintAfterCommit] = []
+    commit = Transaction.commit
+
+    def committing(self) -> None:
+        commit(self)
+        if injected:
+            injected[-1].committed = True
+
+    monkeypatch.setattr(Transaction, "commit", committing)
+    try:
+        step()  # gradients to keep
+        before, rng = _state(model), torch.random.get_rng_state()
+        late = []
+        for n in range(10_000):
+            torch.random.set_rng_state(rng)
+            injected.append(_SigintAfterCommit(n))
+            sys.setprofile(injected[-1])
+            try:
+                step()
+            except KeyboardInterrupt:
+                if not (_same(_state(model), before) and torch.equal(torch.random.get_rng_state(), rng)):
+                    late.append(n)
+                continue
+            finally:
+                sys.setprofile(None)
+            assert injected[-1].seen <= n, f"moment {n}: the handler was called and the step returned"
+            break
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert n > 0
+    assert late == [], f"a KeyboardInterrupt with the step's changes made, at moments {late} of {n} after the commit"
