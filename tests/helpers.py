@@ -312,3 +312,12 @@ class SavedBytes:
 
     def __exit__(self, *exc) -> None:
         self._ctx.__exit__(*exc)
+
+
+def failing_forward(failure: str):
+    """A forward hook that makes a layer's forward fail: raise ("exception") or give NaNs ("nan")."""
+    def fail(module, inputs, output):
+        if failure == "exception":
+            raise RuntimeError("the model failed")
+        return output * float("nan")
+    return fail

@@ -18,6 +18,7 @@ from helpers import (
     assert_ranks_ended_well,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
+    failing_forward,
     launch_ranks,
     sgd_halving,
     train_whole_batch,
@@ -124,12 +125,7 @@ class Poison(Hook):
         if runner.iter == 1:
             self.after_2 = copy.deepcopy((runner.model.state_dict(), runner.optim_wrapper.state_dict(),
                                           runner.param_schedulers[0].state_dict()))
-            runner.model.net[0].register_forward_hook(self.fail)
-
-    def fail(self, module, inputs, output):
-        if self.failure == "exception":
-            raise RuntimeError("the model failed")
-        return output * float("nan")
+            runner.model.net[0].register_forward_hook(failing_forward(self.failure))
 
 
 @pytest.mark.parametrize("failure", ["nan", "exception"])

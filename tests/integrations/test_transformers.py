@@ -28,6 +28,7 @@ from helpers import (  # noqa: E402
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
     assert_state_within_rounding,
+    failing_forward,
     launch_ranks,
     rel_err,
     sgd_halving,
@@ -228,12 +229,7 @@ class Poison(TrainerCallback):
         if state.global_step == 2:
             self.after_step_2 = copy.deepcopy((self.model.state_dict(), optimizer.state_dict(),
                                                lr_scheduler.state_dict()))
-            self.model.net[0].register_forward_hook(self.fail)
-
-    def fail(self, module, inputs, output):
-        if self.failure == "exception":
-            raise RuntimeError("the model failed")
-        return output * float("nan")
+            self.model.net[0].register_forward_hook(failing_forward(self.failure))
 
 
 @pytest.mark.parametrize("failure", ["nan", "exception"])
