@@ -10,12 +10,14 @@ import collections
 import copy
 
 import pytest
+import test_random_networks as random_networks
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
 
 import accumnorm
-from helpers import assert_state_close, assert_unchanged, rel_err, snapshot
+from helpers import assert_state_close, assert_unchanged, compare_within_rounding, rel_err, snapshot
 
 dynamo = pytest.importorskip("torch._dynamo")
 
@@ -266,6 +268,19 @@ def test_fullgraph_is_refused_before_anything_changes_naming_fullgraph_false(for
     assert all(p.grad is None for p in net.parameters())
 
 
+def test_a_function_compiled_with_fullgraph_inside_the_forward_fails_at_its_break_saying_why(schedule):
+    """fullgraph=True on a function the forward calls cannot be seen before the step: dynamo's own error at the first
+    BatchNorm call says why and what to do, the micro-batch is named, and the step is rolled back."""
+    net = Net().double()
+    net.head = torch.compile(head, backend="aot_eager", fullgraph=True)
+    before = snapshot(net)
+    with pytest.raises(dynamo.exc.Unsupported, match="fullgraph=False") as raised:
+        accumnorm.backward(net, batches()[0], ce, micro_batch_size=MICRO, schedule=schedule)
+    assert any("micro-batch 0" in note for note in raised.value.__notes__)
+    assert_unchanged(net, before)
+    assert all(p.grad is None for p in net.parameters())
+
+
 def test_reduce_overhead_on_cpu_has_no_cuda_graph_to_refuse_and_trains_exact():
     torch.manual_seed(0)
     net = Net()
@@ -314,24 +329,6 @@ def test_a_compile_error_inside_a_step_rolls_it_back_and_reaches_the_caller_as_d
     assert all(p.grad is None for p in net.parameters())
 
 
-def _engine_code_compiled() -> list[str]:
-    """The step's own functions dynamo keeps compiled code for: a frame it compiled, or a resume function of one."""
-    import accumnorm._engine as engine
-
-    root = engine.__path__[0].rsplit("/", 1)[0]
-    cached = dynamo.eval_frame._debug_get_cache_entry_list
-    resumed = [new for codes in dynamo.resume_execution.ContinueExecutionCache.cache.values()
-               for new in codes.values()]
-    codes = [c for c in resumed if c.co_filename.startswith(root)]
-    import gc
-
-    for f in gc.get_objects():
-        code = getattr(f, "__code__", None) if callable(f) else None
-        if code is not None and code.co_filename.startswith(root) and cached(code):
-            codes.append(code)
-    return sorted({f"{c.co_filename.rsplit('/', 1)[1]}:{c.co_name}" for c in codes})
-
-
 @pytest.mark.parametrize("fails", [False, True])
 def test_no_dynamo_state_leaks_out_of_a_step(fails, schedule_any):
     torch.manual_seed(0)
@@ -347,10 +344,34 @@ def test_no_dynamo_state_leaks_out_of_a_step(fails, schedule_any):
             raise RuntimeError("the last micro-batch fails")
         return loss
 
-    try:
-        accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=MICRO, schedule=schedule_any)
-    except RuntimeError as e:
-        assert fails and "last micro-batch fails" in str(e)
+    with Compiles() as counts:
+        try:
+            accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=MICRO, schedule=schedule_any)
+        except RuntimeError as e:
+            assert fails and "last micro-batch fails" in str(e)
     assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None
     assert dynamo.config.get_config_copy() == config
-    assert _engine_code_compiled() == []
+    assert counts.frames, "nothing was compiled in the step"
+    engine = accumnorm.__path__[0]
+    assert [c.co_name for c in counts.frames if c.co_filename.startswith(engine)] == []
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=random_networks.networks())
+def test_random_networks_compiled_match_whole_batch_in_every_schedule(spec):
+    """The property test's random networks (tests/engine/test_random_networks.py), torch.compile'd (aot_eager), with
+    their torch dropout in eval mode: every exact schedule matches whole-batch eager torch."""
+    model = random_networks.build(spec)
+    for m in random_networks.random_dropouts(model):
+        m.eval()
+    batch = random_networks.random_batch(spec["n"], spec["seed"])
+    ref, twin = copy.deepcopy(model), copy.deepcopy(model)
+    expected = random_networks.whole_batch_and_reversed(ref, twin, batch)
+    for name in ("layerwise", "recompute", "passes"):
+        dynamo.reset()
+        ours = copy.deepcopy(model)
+        loss = accumnorm.backward(torch.compile(ours, backend="aot_eager"), batch, random_networks.loss_fn,
+                                  micro_batch_size=spec["micro"], schedule=name)
+        compare_within_rounding(ref, twin, ours, 1e-9, random_networks.SLACK)
+        assert rel_err(loss, expected) < 1e-10, name

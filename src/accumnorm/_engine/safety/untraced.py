@@ -36,6 +36,9 @@ _REGISTERED: list[Callable[..., Any]] = []
 _SKIPPED: set[CodeType] = set()
 _DISABLED: dict[Callable[..., Any], Callable[..., Any]] = {}  # each registered function, disabled, once prepared
 _prepared = False
+# What dynamo says at a graph break on one of them (an error under fullgraph=True, where it cannot break).
+_REASON = ("accumnorm's exact step runs each BatchNorm call outside dynamo's graph, where the micro-batches meet: "
+           "compile with fullgraph=False (the default), or pass bn='micro'")
 
 
 def untraced(fn: F) -> F:
@@ -63,7 +66,7 @@ def prepare() -> None:
     for code in _SKIPPED:
         torch._dynamo.eval_frame.skip_code(code)
     for fn in _REGISTERED:
-        _DISABLED[fn] = torch.compiler.disable(fn)
+        _DISABLED[fn] = torch.compiler.disable(fn, reason=_REASON)
     _prepared = True
 
 
@@ -74,4 +77,4 @@ def call(fn: F) -> F:
 
 def wrap(fn: F) -> F:
     """`fn`, made now to run untraced (once prepared): for a callback torch calls from any code (module doc)."""
-    return torch.compiler.disable(fn) if _prepared else fn
+    return torch.compiler.disable(fn, reason=_REASON) if _prepared else fn
