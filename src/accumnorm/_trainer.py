@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup
 from . import _dist
 from ._checkpoint import check_fits, get_rng, read_checkpoint, set_rng
 from ._dist import unwrap_ddp
-from ._engine.args import BNMode, Schedule, check_args
+from ._engine.args import BNMode, Schedule, check_args, check_compile_options
 from ._engine.backward import backward
 from ._engine.memory.store import resolve_store
 from ._files import atomic_open
@@ -62,7 +62,7 @@ class Trainer:
                  store: str | torch.device | None = None, compile: dict[str, Any] | None = None) -> None:
         # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
         model, process_group = unwrap_ddp(model, process_group)
-        _check_compile(compile, bn)
+        check_compile_options(compile, bn)
         check_args(model, loss_fn, micro_batch_size, bn, schedule)  # as accumnorm.backward would at every step
         resolve_store(store)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -278,25 +278,3 @@ def _steps_alone(scheduler: Any) -> bool:
         return True
     return True
 
-
-def _check_compile(compile: Any, bn: str) -> None:
-    """Refuse a `compile=` that `model.compile` or the first step would refuse, before the model is compiled."""
-    if compile is None:
-        return
-    if not isinstance(compile, dict):
-        raise TypeError(f"compile must be None or a dict of torch.compile's keyword arguments, e.g. "
-                        f"{{'backend': 'aot_eager'}}, got {type(compile).__name__} {compile!r}. Nothing was changed")
-    try:
-        inspect.signature(torch.compile).bind(None, **compile)
-    except TypeError as err:
-        raise TypeError(f"compile must hold keyword arguments of torch.compile ({_compile_keywords()}), got "
-                        f"{sorted(compile)!r}: {err}. Nothing was changed") from err
-    if compile.get("fullgraph") and bn == "exact":
-        raise ValueError("compile={'fullgraph': True} makes each graph break an error, but bn='exact' needs one at "
-                         "each BatchNorm call, where the micro-batches meet. Nothing was changed. Leave fullgraph "
-                         "out (False), or pass bn='micro'")
-
-
-def _compile_keywords() -> str:
-    """The keyword arguments torch.compile takes besides the model, for a message."""
-    return ", ".join(list(inspect.signature(torch.compile).parameters)[1:])
