@@ -22,8 +22,9 @@ GradScaler scales it, as the trainer's own backward would. Copies and pickles of
 
 Refused when training starts (a ValueError naming what to change): ultralytics' own accumulation (batch <
 nbs, also after an out-of-memory retry halved the batch), `compile=True` or a mode (its loop then runs the
-whole batch in one forward of its own and takes the loss of those outputs), several GPUs (the whole-batch loss form runs in one process), a model the trainer
-replaced after building it (distillation, quantization-aware training).
+whole batch in one forward of its own and takes the loss of those outputs), several GPUs (the whole-batch loss
+form runs in one process), a model the trainer replaced after building it (distillation, quantization-aware
+training).
 """
 from __future__ import annotations
 
