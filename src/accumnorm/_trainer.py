@@ -259,11 +259,16 @@ class Trainer:
         """
         path = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
         state = read_checkpoint(path)
-        trainer = cls(model, optimizer, loss_fn, **{**state["config"], **kwargs})
+        compile, config = kwargs.pop("compile", None), {**state["config"], **kwargs}
+        check_compile_options(compile, config.get("bn"))
+        trainer = cls(model, optimizer, loss_fn, **config)
         try:
             trainer.load_state_dict(state)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
+        if compile is not None:  # once the checkpoint has loaded: a refused one leaves the model uncompiled
+            trainer.model.compile(**compile)
+            trainer.compile = compile
         trainer.run_dir = path.parent
         return trainer
 
@@ -277,4 +282,3 @@ def _steps_alone(scheduler: Any) -> bool:
     except ValueError:  # no signature to read (a builtin): trusted
         return True
     return True
-

@@ -106,9 +106,13 @@ def test_a_compiled_model_trains_like_whole_batch_pytorch_and_checkpoints_its_un
     assert_state_close(resumed.state_dict(), model.state_dict(), 0.0)
 
 
-def test_a_compile_that_is_not_torch_compiles_keywords_is_refused_and_changes_nothing():
+def test_a_compile_that_is_not_torch_compiles_keywords_is_refused_and_changes_nothing(tmp_path):
     model = accumnorm.convert(small_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = TinyUnrolled()
+    Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), ce_loss, micro_batch_size=2).save(tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="other.pt: "):  # a checkpoint of another model
+        Trainer.load(tmp_path / "other.pt", model, opt, ce_loss, compile={"backend": "aot_eager"})
     with pytest.raises(TypeError, match=re.escape("compile must be None or a dict of torch.compile's keyword "
                                                   "arguments, e.g. {'backend': 'aot_eager'}, got bool True")):
         Trainer(model, opt, ce_loss, micro_batch_size=2, compile=True)
