@@ -22,6 +22,7 @@ from helpers import assert_state_close, assert_unchanged, compare_within_roundin
 dynamo = pytest.importorskip("torch._dynamo")
 
 FORMS = ("compile", "method", "submodule", "function", "loss_fn", "dynamic")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # see conftest.py
 N, MICRO, STEPS = 11, 4, 3  # the last micro-batch of each step is shorter: 3 samples
 
 
@@ -62,14 +63,6 @@ def ce(model: nn.Module, batch) -> torch.Tensor:
 def coupled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """A loss over the whole batch's outputs that no micro-batch can take alone."""
     return F.cross_entropy(outputs, targets) + outputs.std(0).mean()
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles afresh, and leaves no compiled code behind."""
-    dynamo.reset()
-    yield
-    dynamo.reset()
 
 
 def assert_grads_close(net: nn.Module, oracle: nn.Module, tol: float) -> None:
