@@ -15,7 +15,17 @@ optimizer step's gradient is made each of these ways:
   passes     accumnorm.backward(schedule="passes"): 2L + 1 passes for L BN calls; skipped, saying so, for
              models of more than --skip-passes-over BN calls, where it takes tens of plain steps
 
-and the table gives, each figure beside its ratio to plain's:
+and with --compile BACKEND, time only, each on its own copy of the model compiled with
+torch.compile(model, backend=BACKEND), in the same rounds as the others:
+
+  compiled plain      plain accumulation, no graph break: BatchNorm fused in the graph, each micro-batch
+                      normalized alone
+  compiled floor      plain accumulation with a graph break at each BatchNorm call (each BatchNorm layer's
+                      forward under torch.compiler.disable), as exact mode breaks the graph, and nothing else of
+                      accumnorm's: the floor under compiled exact's time
+  compiled <schedule> accumnorm.backward on the compiled model, for each exact schedule shown
+
+The full table gives, each figure beside its ratio to plain's:
 
   peak MiB   the step's peak memory above the level before it, each configuration in a fresh process with
              glibc's heap trimmed first (benchmarks/_memory.py: on a CPU the peak resident memory, on CUDA
@@ -27,6 +37,12 @@ and the table gives, each figure beside its ratio to plain's:
   host MiB   what a host store (store=None on CUDA) would move per step: the saved tensors, there and back
 
 A summary follows: for the middle K, one row per model, the ratios alone (the short table a README can hold).
+With --compile, the compile table follows it: for each model and K, compiled plain's milliseconds and its ratio to
+eager plain's, the compiled floor, each compiled schedule and each eager schedule as ratios to compiled plain's
+(the median over rounds, as above), each compiled schedule over the compiled floor ("c.layerwise/floor"), and the
+seconds of the first step of compiled plain and of each compiled schedule: the step that compiles, untimed in the
+rounds, each from empty caches (a fresh inductor cache directory) so that no method reuses another's kernels.
+Dynamo is reset before each model, K and thread count: every compiled method compiles for those shapes alone.
 
 "BN" is the number of training-mode F.batch_norm calls one forward makes (L above). The models
 (benchmarks/_models.py, each with its own batch and loss, all from their configs, no weights): the study's
@@ -48,12 +64,14 @@ measured. `--allocator glibc` measures with glibc's defaults.
     python benchmarks/bench_backward.py --markdown    # the full table: 8 models x K = 4, 8, 16, 1 and 2 threads
     python benchmarks/bench_backward.py --models study,simclr --ks 4 --rounds 1 --size 32
     python benchmarks/bench_backward.py --models resnet50 --no-memory --threads 2 --schedules layerwise
+    python benchmarks/bench_backward.py --compile inductor --models study,resnet50 --ks 4,8 --no-memory --threads 1
 
 The full default run makes 89 fresh processes (74 while accumnorm.backward has no "recompute") and times
 3 rounds of each configuration after a warm-up: about 16 minutes on a quiet 2-core CPU (13 without
 recompute), an estimate from the single-step times of the README's previous table, which the run checks by
 printing its own total at the end. `--rounds 2` or `--memory-threads 2` shorten it. Timings taken on a loaded
-machine are noise; the memory figures are not.
+machine are noise; the memory figures are not. --compile adds the compiling first steps, three per model, K and
+thread count (more with more schedules): with inductor on a CPU, minutes each for a deep net.
 """
 from __future__ import annotations
 
