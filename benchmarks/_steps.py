@@ -17,7 +17,7 @@ import contextlib
 import copy
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import greenlet
@@ -216,6 +216,19 @@ def compiled_model(method: str, model: nn.Module, backend: str) -> nn.Module:
     if not is_compiled(method):
         return model
     return torch.compile(break_at_batch_norms(model) if method == COMPILED_FLOOR else model, backend=backend)
+
+
+@contextlib.contextmanager
+def compiling_apart(models: int) -> Iterator[None]:
+    """Dynamo as in a new process, with room for `models` compiled copies of one network: its recompile limit
+    counts the graphs of each code object, which the copies share (a residual block's forward holds one graph per
+    block shape in each compiled copy that breaks its graph inside blocks), so it is multiplied by their number and
+    no copy runs blocks uncompiled for the others' graphs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit * models):
+        yield
 
 
 def first_step(method: str) -> contextlib.AbstractContextManager:

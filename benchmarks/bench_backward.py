@@ -42,7 +42,9 @@ eager plain's, the compiled floor, each compiled schedule and each eager schedul
 (the median over rounds, as above), each compiled schedule over the compiled floor ("c.layerwise/floor"), and the
 seconds of the first step of compiled plain and of each compiled schedule: the step that compiles, untimed in the
 rounds, each from empty caches (a fresh inductor cache directory) so that no method reuses another's kernels.
-Dynamo is reset before each model, K and thread count: every compiled method compiles for those shapes alone.
+Dynamo is reset before each model, K and thread count: every compiled method compiles for those shapes alone,
+and its recompile limit, which counts the graphs of a code object that the compiled copies share, is multiplied
+by their number, so that each compiles all it would alone.
 
 "BN" is the number of training-mode F.batch_norm calls one forward makes (L above). The models
 (benchmarks/_models.py, each with its own batch and loss, all from their configs, no weights): the study's
@@ -76,6 +78,7 @@ thread count (more with more schedules): with inductor on a CPU, minutes each fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 import time
@@ -92,6 +95,7 @@ from _steps import (
     compiled,
     compiled_methods,
     compiled_model,
+    compiling_apart,
     exact_schedules,
     first_step,
     methods,
@@ -244,9 +248,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
         steps = {m: (lambda model, m=m, micro=micro: by_name[m](model, batch, micro, case)) for m in names}
         for threads in args.threads if args.rounds else []:
             torch.set_num_threads(threads)
-            if args.compile:
-                torch._dynamo.reset()  # every compiled method compiles afresh, for these shapes and threads
-            timing[threads] = time_methods(steps, base, args, device, label)
+            # every compiled method compiles afresh, for these shapes and threads
+            with compiling_apart(len(compiled_methods(schedules))) if args.compile else contextlib.nullcontext():
+                timing[threads] = time_methods(steps, base, args, device, label)
             timing[threads].rounds.update(skipped)
         rows.append(Row(name, calls, k, memory, timing))
     return rows
