@@ -210,7 +210,7 @@ def break_at_batch_norms(model: nn.Module) -> nn.Module:
     return model
 
 
-def compiled_model(method: str, model: nn.Module, backend: str) -> nn.Module:
+def compiled_model(method: str, model: nn.Module, backend: str | Callable) -> nn.Module:
     """The model `method` runs on, made from a copy of the base model: torch.compile of it for a compiled method
     (for the floor, after `break_at_batch_norms`), the copy itself otherwise."""
     if not is_compiled(method):

@@ -31,6 +31,13 @@ raises is a FAIL row naming the check (its traceback goes to stderr) and the oth
                      accumnorm.backward has it, the whole batch of 256 in torch ("out of memory" where it
                      does not fit). Time: 3 interleaved rounds, every other in reverse order, the ratio
                      the median of each round's ratio to plain (INFO: speed is not pass/fail).
+  compile bf16       torch.compile(backend="inductor") on resnet18 at 224 px, micro-batch 32 x 4, under bf16
+                     autocast, each on its own compiled copy: plain accumulation in torch (BatchNorm fused in the
+                     graph), the compiled floor (plain accumulation with a graph break at each BatchNorm call, as
+                     exact mode breaks the graph, and nothing else of accumnorm's) and accumnorm.backward
+                     (layerwise). Each one's time as cost bf16 measures it, over compiled plain's and, for exact,
+                     over the floor's, and its first step's seconds (compiling, from empty caches); INFO. With
+                     --device cpu it runs aot_eager at 16 px, 4 x 4, to exercise the script.
   nccl               a one-rank NCCL process group (file:// rendezvous) through
                      accumnorm.backward(process_group=...), against the oracle as for float32.
 
