@@ -125,8 +125,9 @@ def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module,
     raises is "failed" ("n/a": a floor this model has none of) and the others go on. Passes is timed in the first
     --passes-rounds rounds only. A compiled method runs on a compiled copy of its own, compiled in its first step
     from empty caches (`_steps.first_step`)."""
-    models = {m: compiled_model(m, copy.deepcopy(base), args.compile) for m in steps}  # same weights; each its own
-    times: dict[str, list[float | None]] = {m: [] for m in steps}                       # running statistics
+    # the same weights; each its own running statistics
+    models = {m: compiled_model(m, copy.deepcopy(base), args.compile) for m in steps}
+    times: dict[str, list[float | None]] = {m: [] for m in steps}
     first: dict[str, float] = {}
     failed: dict[str, str] = {}
 
