@@ -53,7 +53,9 @@ ultralytics' YOLOv8n (its raw maps, mean squares), MONAI's 3D UNet (digits extru
 cross-entropy), segmentation_models_pytorch's Unet on resnet18 (per-pixel cross-entropy), torchvision's
 densenet121 with its BatchNorms inside activation checkpointing, and the SimCLR study's encoder and projection
 head on two views of each digit, with NT-Xent over the whole batch (exact: accumnorm.backward's whole-batch form;
-plain: each micro-batch's own NT-Xent, as plain accumulation takes it); resnet18, mobilenet_v3_small and a model
+plain: each micro-batch's own NT-Xent, as plain accumulation takes it), and tiny_deep, 48 blocks of 8-channel
+conv-BatchNorm-ReLU on 8x8 digits, where kernels cost nothing and a step is all host work (the regime of a GPU
+with a small micro-batch: what a schedule's own Python costs per call); resnet18, mobilenet_v3_small and a model
 torch.fx cannot trace ("dynamic") on request. A model whose library is not installed is skipped with a note; a
 method that fails shows "failed" and the error goes to stderr.
 
@@ -63,12 +65,12 @@ recommends, do: by default glibc hands large freed blocks back to the OS and the
 again, thousands of page faults per step or none depending on the heap's history, not on the method
 measured. `--allocator glibc` measures with glibc's defaults.
 
-    python benchmarks/bench_backward.py --markdown    # the full table: 8 models x K = 4, 8, 16, 1 and 2 threads
+    python benchmarks/bench_backward.py --markdown    # the full table: 9 models x K = 4, 8, 16, 1 and 2 threads
     python benchmarks/bench_backward.py --models study,simclr --ks 4 --rounds 1 --size 32
     python benchmarks/bench_backward.py --models resnet50 --no-memory --threads 2 --schedules layerwise
     python benchmarks/bench_backward.py --compile inductor --models study,resnet50 --ks 4,8 --no-memory --threads 1
 
-The full default run makes 89 fresh processes (74 while accumnorm.backward has no "recompute") and times
+The full default run makes 99 fresh processes (72 while accumnorm.backward has no "recompute") and times
 3 rounds of each configuration after a warm-up: about 16 minutes on a quiet 2-core CPU (13 without
 recompute), an estimate from the single-step times of the README's previous table, which the run checks by
 printing its own total at the end. `--rounds 2` or `--memory-threads 2` shorten it. Timings taken on a loaded
@@ -105,7 +107,7 @@ from _steps import (
 from _table import Row, Times, columns, compile_columns, line, summary_columns, table
 
 DEFAULT_MODELS = ("resnet50", "efficientnet_b0", "yolov8n", "monai_unet3d", "smp_unet", "densenet121_ckpt", "study",
-                  "simclr")
+                  "simclr", "tiny_deep")
 
 
 def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device) -> float:

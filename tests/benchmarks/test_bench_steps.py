@@ -39,7 +39,7 @@ def test_the_checkpointed_floor_is_plain_accumulation_with_its_regions_recompute
     assert checkpointed_saved < plain_saved / 2  # the regions kept their inputs, not what they compute
 
 
-@pytest.mark.parametrize("name", ["study", "simclr"])  # a loss per micro-batch; one over the whole batch's outputs
+@pytest.mark.parametrize("name", ["study", "simclr", "tiny_deep"])  # per micro-batch; whole batch; host-bound
 def test_the_lockstep_floor_makes_the_whole_batch_gradient_and_running_statistics(name):
     model, batch = _steps.prepare(name, 16, 8, torch.device("cpu"))
     whole, floor = copy.deepcopy(model), copy.deepcopy(model)

@@ -198,7 +198,7 @@ class NormCalls(TorchFunctionMode):
         """A batch-statistics call, with this mode off the thread's stack (as in `__torch_function__`): its output."""
         modes = Modes.current()
         self._refuse_where_inexact(modes)
-        owner = self._owner(running_mean)
+        owner = None if running_mean is None else self.owners.get(id(running_mean))
         if running_mean is not None and owner is None:  # at its first call, before the others count it up too
             raise ValueError(
                 f"bn='exact' met a F.batch_norm call over {input.shape[1]} channels whose running statistics are not "
@@ -207,9 +207,10 @@ class NormCalls(TorchFunctionMode):
                 "layer's own num_batches_tracked, counted up by its forward before this call). Make the layer part "
                 "of the model, or put it in eval mode")
         counted = False
-        if owner in self.versions:  # a BatchNorm layer's: counted if its forward bumped num_batches_tracked
-            version = owner.num_batches_tracked._version
-            counted = version != self.versions[owner]
+        last = self.versions.get(owner)
+        if last is not None:  # a BatchNorm layer's: counted if its forward bumped num_batches_tracked
+            version = owner._buffers["num_batches_tracked"]._version  # the buffer, without Module.__getattr__
+            counted = version != last
             self.versions[owner] = version
             if counted:
                 self.seen[owner] += 1
