@@ -61,6 +61,11 @@ def digits(size: int, volume: int) -> tuple[torch.Tensor, torch.Tensor]:
     return _normalize(x).repeat(1, 3, 1, 1), y
 
 
+def small_digits(size: int, volume: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`digits` at 8x8, whatever the image size asked for (tiny_deep's input)."""
+    return digits(8, volume)
+
+
 def images(size: int, volume: int) -> torch.Tensor:
     """3-channel digits alone (a batch that is one tensor)."""
     return digits(size, volume)[0]
@@ -190,6 +195,17 @@ def conv_bn(c_in: int, c_out: int, stride: int = 1) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU())
 
 
+def tiny_deep() -> nn.Module:
+    """48 blocks of conv3x3 (8 -> 8 channels) + BatchNorm + ReLU on 8x8 digits, then a linear head.
+
+    The host-bound regime: its tensors are so small that the kernels cost next to nothing and a step is the
+    Python and dispatcher work around them, as on a GPU with a small micro-batch. It measures what each
+    BatchNorm call and each op cost a schedule on the host. Its input is 8x8 whatever --size says.
+    """
+    blocks = [conv_bn(3, 8)] + [conv_bn(8, 8) for _ in range(47)]
+    return nn.Sequential(*blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+
 class DynamicNet(nn.Module):
     """Conv-BN blocks under Python control flow that torch.fx cannot trace. Each stage applies its block once per
     live gate, ReZero-style (x + gate * block(x)), where pruned gates are zeros at the end of the stage's row: the
@@ -221,6 +237,8 @@ MODELS: dict[str, Case] = {
     "monai_unet3d": Case(monai_unet3d, digit_volumes, cross_entropy),
     "smp_unet": Case(smp_unet, digit_masks, cross_entropy),
     "dynamic": Case(DynamicNet, digits, cross_entropy),
+    # host-bound: 48 tiny conv-BN-ReLU blocks, where a step is all host work
+    "tiny_deep": Case(tiny_deep, small_digits, cross_entropy),
     # its dense layers' bottleneck (BatchNorm, ReLU, conv) inside checkpoint(use_reentrant=False); the plain loop's
     # recomputation updates those BatchNorms' running statistics a second time, accumnorm's does not
     "densenet121_ckpt": Case(torchvision_model("densenet121", memory_efficient=True), digits, cross_entropy),

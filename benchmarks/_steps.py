@@ -5,13 +5,19 @@ A method is `step(model, batch, micro, case)`: it accumulates into `.grad` the g
 exact schedules, each one that this accumnorm accepts (`exact_schedules`: asked, not assumed), and two floors:
 beside layerwise, its lockstep with nothing else (`lockstep_step`); beside recompute, plain accumulation with
 recompute's regions checkpointed (`checkpointed_step`).
+
+With --compile, the same steps run on torch.compile'd copies of the model (`compiled_model`): plain accumulation
+("compiled plain", BatchNorm fused in the graph), each exact schedule ("compiled layerwise", ...), and the compiled
+floor: plain accumulation with a graph break at each BatchNorm call, as dynamo makes at each of accumnorm's
+batch-statistics calls during a step, and nothing else of accumnorm's.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import greenlet
@@ -169,9 +175,71 @@ def timed_methods(schedules: list[str]) -> list[str]:
 
 
 def methods(schedules: list[str]) -> dict[str, Method]:
-    """Every method by name: plain, the whole batch, the exact schedules given, and the floors."""
-    return {"plain": plain_step, "whole": whole_step, "lockstep": lockstep_step, "checkpointed": checkpointed_step,
-            **{s: schedule_step(s) for s in schedules}}
+    """Every method by name: plain, the whole batch, the exact schedules given, the floors, and each of these
+    that runs on a compiled model (`compiled_methods`)."""
+    eager = {"plain": plain_step, "whole": whole_step, "lockstep": lockstep_step, "checkpointed": checkpointed_step,
+             **{s: schedule_step(s) for s in schedules}}
+    return {**eager, COMPILED_PLAIN: plain_step, COMPILED_FLOOR: plain_step,
+            **{compiled(s): eager[s] for s in schedules}}
+
+
+COMPILED_PLAIN, COMPILED_FLOOR = "compiled plain", "compiled floor"
+
+
+def compiled(schedule: str) -> str:
+    """The name of `schedule` run on a compiled model."""
+    return f"compiled {schedule}"
+
+
+def is_compiled(method: str) -> bool:
+    return method.startswith("compiled ")
+
+
+def compiled_methods(schedules: list[str]) -> list[str]:
+    """The methods timed on compiled models, in the compile table's order: plain, the floor, each schedule."""
+    return [COMPILED_PLAIN, COMPILED_FLOOR, *map(compiled, schedules)]
+
+
+def break_at_batch_norms(model: nn.Module) -> nn.Module:
+    """`model` with each BatchNorm layer's forward run untraced (`torch.compiler.disable`): compiled, its graph
+    breaks at each BatchNorm call, as dynamo's does at each batch-statistics call during accumnorm's step, and the
+    layer normalizes in eager torch, as accumnorm's handler does."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            vars(m)["forward"] = torch.compiler.disable(m.forward)
+    return model
+
+
+def compiled_model(method: str, model: nn.Module, backend: str | Callable) -> nn.Module:
+    """The model `method` runs on, made from a copy of the base model: torch.compile of it for a compiled method
+    (for the floor, after `break_at_batch_norms`), the copy itself otherwise."""
+    if not is_compiled(method):
+        return model
+    return torch.compile(break_at_batch_norms(model) if method == COMPILED_FLOOR else model, backend=backend)
+
+
+@contextlib.contextmanager
+def compiling_apart(models: int) -> Iterator[None]:
+    """Dynamo as in a new process, with room for `models` compiled copies of one network: its recompile limit
+    counts the graphs of each code object, which the copies share (a residual block's forward holds one graph per
+    block shape in each compiled copy that breaks its graph inside blocks), so it is multiplied by their number and
+    no copy runs blocks uncompiled for the others' graphs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit * models):
+        yield
+
+
+def first_step(method: str) -> contextlib.AbstractContextManager:
+    """Where `method`'s first step runs: a compiled model's, which compiles it, with inductor's caches empty (a
+    fresh cache directory, the in-memory caches cleared), as in a new process on a new machine, so that its
+    compile time owes nothing to kernels an earlier method compiled."""
+    if not is_compiled(method):
+        return contextlib.nullcontext()
+    from torch._inductor.utils import fresh_cache  # not a public API
+
+    return fresh_cache()
 
 
 class CountBN(TorchFunctionMode):

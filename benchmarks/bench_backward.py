@@ -15,7 +15,17 @@ optimizer step's gradient is made each of these ways:
   passes     accumnorm.backward(schedule="passes"): 2L + 1 passes for L BN calls; skipped, saying so, for
              models of more than --skip-passes-over BN calls, where it takes tens of plain steps
 
-and the table gives, each figure beside its ratio to plain's:
+and with --compile BACKEND, time only, each on its own copy of the model compiled with
+torch.compile(model, backend=BACKEND), in the same rounds as the others:
+
+  compiled plain      plain accumulation, no graph break: BatchNorm fused in the graph, each micro-batch
+                      normalized alone
+  compiled floor      plain accumulation with a graph break at each BatchNorm call (each BatchNorm layer's
+                      forward under torch.compiler.disable), as exact mode breaks the graph, and nothing else of
+                      accumnorm's: the floor under compiled exact's time
+  compiled <schedule> accumnorm.backward on the compiled model, for each exact schedule shown
+
+The full table gives, each figure beside its ratio to plain's:
 
   peak MiB   the step's peak memory above the level before it, each configuration in a fresh process with
              glibc's heap trimmed first (benchmarks/_memory.py: on a CPU the peak resident memory, on CUDA
@@ -27,6 +37,14 @@ and the table gives, each figure beside its ratio to plain's:
   host MiB   what a host store (store=None on CUDA) would move per step: the saved tensors, there and back
 
 A summary follows: for the middle K, one row per model, the ratios alone (the short table a README can hold).
+With --compile, the compile table follows it: for each model and K, compiled plain's milliseconds and its ratio to
+eager plain's, the compiled floor, each compiled schedule and each eager schedule as ratios to compiled plain's
+(the median over rounds, as above), each compiled schedule over the compiled floor ("c.layerwise/floor"), and the
+seconds of the first step of compiled plain and of each compiled schedule: the step that compiles, untimed in the
+rounds, each from empty caches (a fresh inductor cache directory) so that no method reuses another's kernels.
+Dynamo is reset before each model, K and thread count: every compiled method compiles for those shapes alone,
+and its recompile limit, which counts the graphs of a code object that the compiled copies share, is multiplied
+by their number, so that each compiles all it would alone.
 
 "BN" is the number of training-mode F.batch_norm calls one forward makes (L above). The models
 (benchmarks/_models.py, each with its own batch and loss, all from their configs, no weights): the study's
@@ -35,7 +53,9 @@ ultralytics' YOLOv8n (its raw maps, mean squares), MONAI's 3D UNet (digits extru
 cross-entropy), segmentation_models_pytorch's Unet on resnet18 (per-pixel cross-entropy), torchvision's
 densenet121 with its BatchNorms inside activation checkpointing, and the SimCLR study's encoder and projection
 head on two views of each digit, with NT-Xent over the whole batch (exact: accumnorm.backward's whole-batch form;
-plain: each micro-batch's own NT-Xent, as plain accumulation takes it); resnet18, mobilenet_v3_small and a model
+plain: each micro-batch's own NT-Xent, as plain accumulation takes it), and tiny_deep, 48 blocks of 8-channel
+conv-BatchNorm-ReLU on 8x8 digits, where kernels cost nothing and a step is all host work (the regime of a GPU
+with a small micro-batch: what a schedule's own Python costs per call); resnet18, mobilenet_v3_small and a model
 torch.fx cannot trace ("dynamic") on request. A model whose library is not installed is skipped with a note; a
 method that fails shows "failed" and the error goes to stderr.
 
@@ -45,21 +65,23 @@ recommends, do: by default glibc hands large freed blocks back to the OS and the
 again, thousands of page faults per step or none depending on the heap's history, not on the method
 measured. `--allocator glibc` measures with glibc's defaults.
 
-    python benchmarks/bench_backward.py --markdown    # the full table: 8 models x K = 4, 8, 16, 1 and 2 threads
+    python benchmarks/bench_backward.py --markdown    # the full table: 9 models x K = 4, 8, 16, 1 and 2 threads
     python benchmarks/bench_backward.py --models study,simclr --ks 4 --rounds 1 --size 32
     python benchmarks/bench_backward.py --models resnet50 --no-memory --threads 2 --schedules layerwise
+    python benchmarks/bench_backward.py --compile inductor --models study,resnet50 --ks 4,8 --no-memory --threads 1
 
-The full default run makes 89 fresh processes (74 while accumnorm.backward has no "recompute") and times
+The full default run makes 99 fresh processes (72 while accumnorm.backward has no "recompute") and times
 3 rounds of each configuration after a warm-up: about 16 minutes on a quiet 2-core CPU (13 without
 recompute), an estimate from the single-step times of the README's previous table, which the run checks by
 printing its own total at the end. `--rounds 2` or `--memory-threads 2` shorten it. Timings taken on a loaded
-machine are noise; the memory figures are not.
+machine are noise; the memory figures are not. --compile adds the compiling first steps, three per model, K and
+thread count (more with more schedules): with inductor on a CPU, minutes each for a deep net.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -68,11 +90,24 @@ import torch
 import torch.nn as nn
 from _memory import Memory, keep_freed_memory, measure_in_child
 from _models import BATCH, MODELS
-from _steps import SCHEDULES, NoFloor, bn_calls, exact_schedules, methods, prepare, timed_methods
-from _table import Row, Timing, columns, line, summary_columns, table
+from _steps import (
+    SCHEDULES,
+    NoFloor,
+    bn_calls,
+    compiled,
+    compiled_methods,
+    compiled_model,
+    compiling_apart,
+    exact_schedules,
+    first_step,
+    methods,
+    prepare,
+    timed_methods,
+)
+from _table import Row, Times, columns, compile_columns, line, summary_columns, table
 
 DEFAULT_MODELS = ("resnet50", "efficientnet_b0", "yolov8n", "monai_unet3d", "smp_unet", "densenet121_ckpt", "study",
-                  "simclr")
+                  "simclr", "tiny_deep")
 
 
 def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device) -> float:
@@ -87,12 +122,15 @@ def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.dev
 
 
 def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module, args: argparse.Namespace,
-                 device: torch.device, label: str) -> dict[str, Timing]:
-    """Each method's median time and median ratio to plain's (`steps` starts with plain); a method that raises is
-    "failed" ("n/a": a floor this model has none of) and the others go on. Passes is timed in the first
-    --passes-rounds rounds only."""
-    models = {m: copy.deepcopy(base) for m in steps}  # same weights; each its own running statistics
+                 device: torch.device, label: str) -> Times:
+    """Each method's time in each round and in its first, untimed step (`steps` starts with plain); a method that
+    raises is "failed" ("n/a": a floor this model has none of) and the others go on. Passes is timed in the first
+    --passes-rounds rounds only. A compiled method runs on a compiled copy of its own, compiled in its first step
+    from empty caches (`_steps.first_step`)."""
+    # the same weights; each its own running statistics
+    models = {m: compiled_model(m, copy.deepcopy(base), args.compile) for m in steps}
     times: dict[str, list[float | None]] = {m: [] for m in steps}
+    first: dict[str, float] = {}
     failed: dict[str, str] = {}
 
     def attempt(m: str) -> float | None:
@@ -108,23 +146,19 @@ def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module,
             print(f"note: {label} {m} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return None
 
-    for m in steps:  # warm-up, untimed: first-call costs, the kernels' caches for these shapes
+    for m in steps:  # warm-up, untimed: first-call costs, the kernels' caches for these shapes, compiling
         if m != "passes":  # it runs plain's shapes, warmed up already
-            attempt(m)
+            with first_step(m):
+                t = attempt(m)
+            if t is not None:
+                first[m] = t
     order = list(steps)
     for r in range(args.rounds):
         # Every other round in reverse order: a method gains nothing from its place in the round.
         for m in order if r % 2 == 0 else order[::-1]:
-            times[m].append(attempt(m) if m != "passes" or r < args.passes_rounds else None)
-    return {m: failed[m] if m in failed else _summary(times[m], times["plain"]) for m in steps}
-
-
-def _summary(times: list[float | None], plain: list[float | None]) -> tuple[float, float]:
-    """The median time, and the median of each round's time over plain's in the same round."""
-    pairs = [(t, p) for t, p in zip(times, plain) if t is not None and p is not None]
-    if not pairs:
-        return float("nan"), float("nan")
-    return statistics.median(t for t, _ in pairs), statistics.median(t / p for t, p in pairs)
+            passes = m.split()[-1] == "passes"
+            times[m].append(attempt(m) if not passes or r < args.passes_rounds else None)
+    return Times({m: failed.get(m, times[m]) for m in steps}, first)
 
 
 def parse_list(p: argparse.ArgumentParser, flag: str, text: str, allowed: list, kind: type = str) -> list:
@@ -155,6 +189,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", type=int, default=64, help="input height and width of 2D models (default 64)")
     p.add_argument("--volume", type=int, default=32, help="input side of 3D models (default 32: 32^3 voxels)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", metavar="BACKEND",
+                   help="also time plain accumulation, the compiled floor and each schedule on models compiled with "
+                        "torch.compile(backend=BACKEND), e.g. inductor or aot_eager: the compile table (see above)")
     p.add_argument("--markdown", action="store_true", help="print the table in markdown, to paste into a page")
     p.add_argument("--allocator", choices=("keep", "glibc"), default="keep",
                    help="keep: glibc keeps freed memory for reuse (default); glibc: its defaults (see above)")
@@ -167,6 +204,8 @@ def parse_args() -> argparse.Namespace:
     args.threads = parse_list(p, "--threads", args.threads, [], int)
     if args.rounds < 0 or args.passes_rounds < 0 or any(t < 1 for t in [*args.threads, args.memory_threads]):
         p.error("--rounds and --passes-rounds must be >= 0, --memory-threads and each of --threads >= 1")
+    if args.compile and args.compile not in torch._dynamo.list_backends(exclude_tags=()):
+        p.error(f"--compile: {args.compile!r} not among {', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
     if args.passes_rounds > args.rounds:
         args.passes_rounds = args.rounds
     missing = [s for s in asked if s not in accepted]
@@ -195,7 +234,8 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
     case = MODELS[name]
     calls = bn_calls(base, batch, case.loss)
     schedules = [s for s in args.schedules if s != "passes" or calls <= args.skip_passes_over]
-    skipped = {s: f"skipped ({calls} > {args.skip_passes_over} BN)" for s in args.schedules if s not in schedules}
+    skipped = {m: f"skipped ({calls} > {args.skip_passes_over} BN)" for s in args.schedules if s not in schedules
+               for m in (s, compiled(s))}
     by_name = methods(schedules)
     timeout = 600.0
     whole = measure_in_child(name, "whole", BATCH, args, timeout) if args.memory else "-"
@@ -206,12 +246,15 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
         memory: dict[str, Memory | str] = {"whole": whole, **skipped}
         if args.memory:
             memory.update({m: measure_in_child(name, m, micro, args, timeout) for m in shown})
-        timing: dict[int, dict[str, Timing]] = {}
-        steps = {m: (lambda model, m=m, micro=micro: by_name[m](model, batch, micro, case))
-                 for m in timed_methods(schedules)}
+        timing: dict[int, Times] = {}
+        names = timed_methods(schedules) + (compiled_methods(schedules) if args.compile else [])
+        steps = {m: (lambda model, m=m, micro=micro: by_name[m](model, batch, micro, case)) for m in names}
         for threads in args.threads if args.rounds else []:
             torch.set_num_threads(threads)
-            timing[threads] = {**time_methods(steps, base, args, device, label), **skipped}
+            # every compiled method compiles afresh, for these shapes and threads
+            with compiling_apart(len(compiled_methods(schedules))) if args.compile else contextlib.nullcontext():
+                timing[threads] = time_methods(steps, base, args, device, label)
+            timing[threads].rounds.update(skipped)
         rows.append(Row(name, calls, k, memory, timing))
     return rows
 
@@ -238,6 +281,11 @@ def main() -> None:
     k = args.ks[len(args.ks) // 2]
     print(f"\nSummary at K = {k}: peak and time as ratios to plain accumulation's\n")
     print(*table(summary_columns(args.schedules, threads), [r for r in rows if r.k == k], args.markdown), sep="\n")
+    if args.compile and threads:
+        print(f"\nCompiled with torch.compile(backend={args.compile!r}): times as ratios to compiled plain "
+              f"accumulation's, c.<schedule>/floor to the compiled floor's; each compiled method's first step "
+              f"(compiling, from empty caches) in seconds\n")
+        print(*table(compile_columns(args.schedules, threads), rows, args.markdown), sep="\n")
     print(f"\n{time.perf_counter() - start:.0f} s in all")
 
 

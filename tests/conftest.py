@@ -1,6 +1,7 @@
 """pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one
 (`schedule_any`: and "auto");
-`one_thread` for tests of small tensors; tests marked `cuda` skip, saying why, without a GPU."""
+`one_thread` for tests of small tensors; `fresh_dynamo` for tests that torch.compile; tests marked `cuda` skip,
+saying why, without a GPU."""
 import signal
 
 import pytest
@@ -47,3 +48,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """The test compiles afresh, and leaves no compiled code behind: tests that torch.compile stay independent."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -202,6 +202,22 @@ def tiny_bn(dtype: torch.dtype = torch.float64) -> nn.Module:
     ).to(dtype)
 
 
+class TinyUnrolled(nn.Module):
+    """`tiny_bn`'s layers called one by one in a forward of its own, for tests that torch.compile a model: dynamo
+    compiles the code between the BatchNorm calls of this forward, where a graph break inside nn.Sequential's loop
+    over its layers leaves a Sequential's forward uncompiled in a step."""
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.net = tiny_bn(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.net
+        x = n[3](n[2](n[1](n[0](x))))
+        x = n[8](n[7](n[6](n[5](n[4](x)))))
+        return n[12](n[11](n[10](n[9](x))))
+
+
 def tiny_dataset(n: int, dtype: torch.dtype = torch.float64) -> torch.utils.data.TensorDataset:
     """n samples for `tiny_bn`, the same every call (every rank of a test builds the same set)."""
     torch.manual_seed(1)

@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup
 from . import _dist
 from ._checkpoint import check_fits, get_rng, read_checkpoint, set_rng
 from ._dist import unwrap_ddp
-from ._engine.args import BNMode, Schedule, check_args
+from ._engine.args import BNMode, Schedule, check_args, check_compile_options
 from ._engine.backward import backward
 from ._engine.memory.store import resolve_store
 from ._files import atomic_open
@@ -44,6 +44,14 @@ class Trainer:
     ``max_grad_norm`` clips the total norm of the unscaled gradient. ``process_group`` defaults to the
     model's own when it is wrapped in DistributedDataParallel, else to the default group when
     torch.distributed is initialized. ``bn``, ``schedule`` and ``store`` go to ``accumnorm.backward``.
+
+    Args:
+        compile: None, or the keyword arguments of ``torch.compile`` for the model, e.g. ``{"backend": "aot_eager"}``
+            or ``{"mode": "max-autotune-no-cudagraphs"}``: the Trainer calls ``model.compile(**compile)``, which
+            compiles the model in place, so its ``state_dict`` and checkpoints keep the keys of the uncompiled
+            model. The steps stay exact: dynamo breaks its graph at each BatchNorm call that uses batch statistics.
+            Refused under ``bn="exact"``: ``fullgraph=True`` (a graph break is then an error). A resumed trainer
+            (``Trainer.load``) compiles only when given ``compile=`` again. Default: None.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -51,9 +59,10 @@ class Trainer:
                  bn: BNMode = "exact", scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  max_grad_norm: float | None = None, amp: Literal["bf16", "fp16"] | None = None,
                  process_group: ProcessGroup | None = None, schedule: Schedule = "auto",
-                 store: str | torch.device | None = None) -> None:
+                 store: str | torch.device | None = None, compile: dict[str, Any] | None = None) -> None:
         # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
         model, process_group = unwrap_ddp(model, process_group)
+        check_compile_options(compile, bn)
         check_args(model, loss_fn, micro_batch_size, bn, schedule)  # as accumnorm.backward would at every step
         resolve_store(store)
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -79,9 +88,11 @@ class Trainer:
         if amp == "fp16" and self.device.type != "cuda":
             raise ValueError(f"amp='fp16' needs the model on a CUDA device (float16 training needs "
                              f"torch.amp.GradScaler), but it is on {self.device}; use amp='bf16' on CPU")
+        if compile is not None:  # the last check is done: nothing was changed before here
+            model.compile(**compile)
         self.model, self.optimizer, self.loss_fn, self.scheduler = model, optimizer, loss_fn, scheduler
         self.micro_batch_size, self.bn, self.max_grad_norm, self.amp = micro_batch_size, bn, max_grad_norm, amp
-        self.process_group, self.schedule, self.store = process_group, schedule, store
+        self.process_group, self.schedule, self.store, self.compile = process_group, schedule, store, compile
         self.rank, self.world_size = _dist.rank_and_size(process_group)
         self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=AMP_DTYPES[amp])
@@ -238,8 +249,8 @@ class Trainer:
     def load(cls, path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              loss_fn: Callable, **kwargs: Any) -> Trainer:
         """A trainer resumed from ``save(path)``, or from the checkpoint.pt of a run's log directory ``path``:
-        micro_batch_size, bn, max_grad_norm and amp default to the checkpoint's; pass scheduler= and
-        process_group= as when it was made. Its ``fit`` may log into the checkpoint's directory again.
+        micro_batch_size, bn, max_grad_norm and amp default to the checkpoint's; pass scheduler=, process_group=
+        and compile= as when it was made. Its ``fit`` may log into the checkpoint's directory again.
 
         Refuses, before the model or optimizer changes, with a ValueError naming the file: a file that is
         truncated or corrupt, one that is not an accumnorm checkpoint, and a checkpoint of another model
@@ -248,11 +259,16 @@ class Trainer:
         """
         path = Path(path) / "checkpoint.pt" if Path(path).is_dir() else Path(path)
         state = read_checkpoint(path)
-        trainer = cls(model, optimizer, loss_fn, **{**state["config"], **kwargs})
+        compile, config = kwargs.pop("compile", None), {**state["config"], **kwargs}
+        check_compile_options(compile, config.get("bn"))
+        trainer = cls(model, optimizer, loss_fn, **config)
         try:
             trainer.load_state_dict(state)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from err
+        if compile is not None:  # once the checkpoint has loaded: a refused one leaves the model uncompiled
+            trainer.model.compile(**compile)
+            trainer.compile = compile
         trainer.run_dir = path.parent
         return trainer
 

@@ -39,7 +39,7 @@ def test_the_checkpointed_floor_is_plain_accumulation_with_its_regions_recompute
     assert checkpointed_saved < plain_saved / 2  # the regions kept their inputs, not what they compute
 
 
-@pytest.mark.parametrize("name", ["study", "simclr"])  # a loss per micro-batch; one over the whole batch's outputs
+@pytest.mark.parametrize("name", ["study", "simclr", "tiny_deep"])  # per micro-batch; whole batch; host-bound
 def test_the_lockstep_floor_makes_the_whole_batch_gradient_and_running_statistics(name):
     model, batch = _steps.prepare(name, 16, 8, torch.device("cpu"))
     whole, floor = copy.deepcopy(model), copy.deepcopy(model)
@@ -83,3 +83,48 @@ def test_the_table_times_each_floor_beside_its_schedule():
     assert _steps.timed_methods(["layerwise", "recompute", "passes"]) == [
         "plain", "layerwise", "lockstep", "recompute", "checkpointed", "passes"]
     assert _steps.timed_methods(["recompute", "passes"]) == ["plain", "recompute", "checkpointed", "passes"]
+
+
+class ConvNet(torch.nn.Module):
+    """Two conv-BatchNorm blocks in a forward of its own: dynamo compiles it whole (an nn.Sequential that breaks its
+    graph inside its loop would run uncompiled)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        return self.fc(torch.relu(self.bn2(self.conv2(x))).mean((2, 3)))
+
+
+def test_the_compiled_floor_breaks_its_graph_where_exact_mode_does_and_makes_plain_accumulations_gradient():
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    base = ConvNet()
+    case = _steps.Case(ConvNet, None, lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1]))
+    batch = (torch.randn(8, 3, 6, 6), torch.randint(0, 3, (8,)))
+    eager = copy.deepcopy(base)
+    _steps.plain_step(eager, batch, 4, case)
+    graphs = {}
+    for method in _steps.compiled_methods(["layerwise"]):
+        counter = CompileCounter()
+        with _steps.compiling_apart(3):
+            model = _steps.compiled_model(method, copy.deepcopy(base), counter)
+            _steps.methods(["layerwise"])[method](model, batch, 4, case)
+        graphs[method] = counter.frame_count
+        if method == _steps.COMPILED_FLOOR:
+            for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+                assert_close(b.grad, a.grad)
+    assert graphs == {"compiled plain": 1, "compiled floor": 3, "compiled layerwise": 3}  # broken at bn1 and bn2
+
+
+def test_a_ratio_is_the_median_over_rounds_of_each_rounds_ratio():
+    from _table import Times
+
+    times = Times({"plain": [1.0, 2.0, 4.0], "a": [2.0, 2.0, None], "b": "failed"}, {"a": 30.0})
+    assert times.ratio("a") == 1.5 and times.median("a") == 2.0  # rounds 1 and 2: 2x and 1x
+    assert times.ratio("b") == "failed" and times.ratio("plain", "b") == "-"

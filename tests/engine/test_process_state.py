@@ -115,6 +115,21 @@ def test_a_process_flag_entered_in_loss_fn_is_each_micro_batchs_own_and_as_it_wa
     assert all(s == inside for s in seen)
 
 
+def test_the_modes_read_again_unchanged_are_the_same_object_and_a_change_is_read():
+    """Modes.current() at every BatchNorm call returns the object it returned last while nothing changed (the calls'
+    modes then compare at identity), and reads a change of grad mode or of a process-wide flag."""
+    from accumnorm._engine.safety.threadstate import Modes
+
+    first = Modes.current()
+    assert Modes.current() is first
+    with torch.no_grad():
+        off = Modes.current()
+        assert off is not first and not off.grad and Modes.current() is off
+    with _default_dtype(torch.float64):
+        assert Modes.current().flags != first.flags
+    assert Modes.current() == first
+
+
 class _Hooked:
     """A tensor hook that counts its calls and raises at call `fail_at` (None: never)."""
 

@@ -26,7 +26,7 @@ from helpers import (
     sgd_halving,
     train_whole_batch,
 )
-from models import tiny_bn, tiny_dataset
+from models import TinyUnrolled, tiny_bn, tiny_dataset
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "accelerate_ddp.py"
 CLIP = 0.05  # the gradient norm is ~0.1-1 here: every step is clipped
@@ -75,6 +75,43 @@ def test_loop_equals_whole_batch_training_and_resumes_from_save_state(tmp_path):
     accelerator.load_state(tmp_path / "state")
     accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches[:1], CLIP)
     assert_state_close(resumed.state_dict(), net.state_dict(), 0.0)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_dynamo_backend_compiles_the_model_and_trains_like_whole_batch_training():
+    """Accelerator(dynamo_backend="aot_eager"): prepare compiles the model; 2 steps over batches of 8 as micro-batches
+    3 + 3 + 2, float64, clipped, the LR halved every step: dynamo compiles graphs between the BatchNorm calls, and the
+    losses, parameters and running statistics are whole-batch PyTorch's."""
+    from torch._dynamo.utils import counters
+
+    accelerator = Accelerator(cpu=True, dynamo_backend="aot_eager")
+    net = TinyUnrolled()
+    exact, model, optimizer, scheduler, batches = prepared(accelerator, net, tiny_dataset(16))
+    assert type(model).__name__ == "OptimizedModule"
+    losses = accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, CLIP)
+    assert counters["stats"]["unique_graphs"] > 0
+    oracle = TinyUnrolled()
+    want, norms = train_whole_batch(oracle, batches, max_grad_norm=CLIP)
+    assert min(norms) > CLIP  # clipping is part of what is compared
+    assert losses == pytest.approx(want, rel=1e-12)
+    assert_state_close(net.state_dict(), oracle.state_dict(), 1e-9)
+
+
+def test_a_compiled_ddp_wrapper_is_refused(tmp_path):
+    """What dynamo_backend makes on several processes, torch.compile over DDP, in a one-process gloo group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        accelerator = Accelerator(cpu=True)
+        net = tiny_bn()
+        optimizer = accelerator.prepare(torch.optim.SGD(net.parameters(), lr=0.1))
+        model = torch.compile(nn.parallel.DistributedDataParallel(net), backend="aot_eager")
+        with pytest.raises(ValueError, match=re.escape("the model is a torch.compile'd DDP wrapper (Accelerator("
+                                                       "dynamo_backend=...) on several processes)")):
+            ExactAccumulator(accelerator, model, optimizer, ce_loss, micro_batch_size=3)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -23,7 +23,7 @@ from helpers import (
     launch_ranks,
     train_whole_batch,
 )
-from models import lit_classifier, tiny_bn, tiny_dataset
+from models import TinyUnrolled, lit_classifier, tiny_bn, tiny_dataset
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "lightning_ddp.py"
 CLIP = 0.05  # the gradient norm is ~0.1-1 here: every step is clipped
@@ -65,6 +65,26 @@ def test_trainer_equals_whole_batch_training_and_resumes_from_its_checkpoint(tmp
     trainer(precision="64-true", gradient_clip_val=CLIP).fit(
         resumed, loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
     assert_state_close(resumed.net.state_dict(), model.net.state_dict(), 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_module_trains_like_whole_batch_training():
+    """trainer.fit(torch.compile(module, backend="aot_eager")), 3 steps over batches of 8 as micro-batches 3 + 3 + 2,
+    float64, clipped, the LR halved every step: Lightning compiles training_step, which the mixin hands back
+    uncompiled for each micro-batch's training_loss to run compiled; dynamo compiles graphs between the BatchNorm
+    calls, and the parameters and running statistics are whole-batch PyTorch's."""
+    from torch._dynamo.utils import counters
+
+    data = tiny_dataset(16)
+    model = lit_classifier()(TinyUnrolled(), micro_batch_size=3)
+    trainer(precision="64-true", gradient_clip_val=CLIP).fit(torch.compile(model, backend="aot_eager"),
+                                                             torch.utils.data.DataLoader(data, batch_size=8))
+    assert counters["stats"]["unique_graphs"] > 0
+    oracle = TinyUnrolled()
+    _, norms = train_whole_batch(oracle, batches(data, 8, 3), max_grad_norm=CLIP)
+    assert min(norms) > CLIP  # clipping is part of what is compared
+    assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
 
 
 @pytest.mark.slow

@@ -23,16 +23,17 @@ from helpers import (
     sgd_halving,
     train_whole_batch,
 )
-from models import mm_classifier, mm_samples, tiny_bn, tiny_dataset
+from models import TinyUnrolled, mm_classifier, mm_samples, tiny_bn, tiny_dataset
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "mmengine_ddp.py"
 CLIP = 0.05  # the gradient norm is ~0.1-1 here: every step is clipped
 
 
 def runner(work_dir: Path, model: nn.Module, data, *, loop: str = "ExactEpochBasedTrainLoop", batch_size: int = 8,
-           optim_wrapper=None, **train_cfg) -> Runner:
+           optim_wrapper=None, cfg: dict | None = None, **train_cfg) -> Runner:
     """A quiet CPU Runner: 2 epochs over `data` in order, SGD with momentum clipped to CLIP, the LR halved every
-    iteration, a checkpoint every epoch; micro-batches of 3 unless train_cfg says otherwise."""
+    iteration, a checkpoint every epoch; micro-batches of 3 unless train_cfg says otherwise; `cfg` the full config
+    (for what the Runner reads only from it, such as `compile`)."""
     by_epoch = "Epoch" in loop
     train_cfg = {"type": loop, "micro_batch_size": 3, **({"max_epochs": 2} if by_epoch else {"max_iters": 4}),
                  **train_cfg}
@@ -46,7 +47,7 @@ def runner(work_dir: Path, model: nn.Module, data, *, loop: str = "ExactEpochBas
         param_scheduler=dict(type="StepLR", step_size=1, gamma=0.5, by_epoch=False),
         default_hooks=dict(checkpoint=dict(type="CheckpointHook", interval=1 if by_epoch else 2, by_epoch=by_epoch),
                            logger=dict(type="LoggerHook", interval=1)),
-        randomness=dict(seed=0), log_level="WARNING")
+        randomness=dict(seed=0), log_level="WARNING", cfg=cfg)
 
 
 def in_order(data, batch_size: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -82,6 +83,28 @@ def test_runner_equals_whole_batch_training_and_resumes_bit_identically(loop, tm
     second._load_from, second._resume = str(tmp_path / "run" / checkpoint), True
     second.train()
     assert_state_close(resumed.net.state_dict(), model.net.state_dict(), 0.0)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("whole_batch_loss", [False, True])
+def test_the_runners_compile_config_compiles_the_model_and_trains_like_whole_batch_torch(whole_batch_loss, tmp_path):
+    """cfg compile=dict(backend="aot_eager"): mmengine compiles model.train_step, which the exact loop bypasses; the
+    loop compiles the model in place, dynamo compiles graphs between its BatchNorm calls, and 4 iterations over
+    batches of 8, 4, 8, 4 as micro-batches of 3, float64, clipped, give whole-batch PyTorch's parameters and running
+    statistics, in both loss forms. The checkpoints keep the uncompiled model's keys."""
+    from torch._dynamo.utils import counters
+
+    data = tiny_dataset(12)
+    model = mm_classifier()(TinyUnrolled())
+    keys = model.state_dict().keys()
+    runner(tmp_path, model, mm_samples(data), cfg=dict(compile=dict(backend="aot_eager")),
+           whole_batch_loss=whole_batch_loss).train()
+    assert vars(model).get("_compiled_call_impl") is not None and counters["stats"]["unique_graphs"] > 0
+    oracle = TinyUnrolled()
+    train_whole_batch(oracle, in_order(data, 8, 4), max_grad_norm=CLIP)
+    assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
+    checkpoint = torch.load(tmp_path / "epoch_2.pth", weights_only=False)
+    assert checkpoint["state_dict"].keys() == keys
 
 
 def count_normalized_oracle(net: nn.Module, batches) -> None:
@@ -160,6 +183,8 @@ MISUSES = {  # name: (runner arguments, the error, its words)
     "whole_batch_loss without loss_by_feat": (dict(model="no loss_by_feat", whole_batch_loss=True), ValueError,
                                               "loss_by_feat(outputs, data_samples), which Plain does not define"),
     "micro_batch_size": (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
+    "compile fullgraph": (dict(cfg=dict(compile=dict(backend="aot_eager", fullgraph=True))), ValueError,
+                          "the runner's compile={'fullgraph': True} makes each graph break an error, but bn='exact'"),
 }
 
 

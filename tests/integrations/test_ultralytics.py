@@ -116,7 +116,9 @@ def test_bad_options_are_refused_before_anything_changes(kwargs, error, message)
 
 @pytest.mark.parametrize("change, message", [
     (dict(batch_size=16), r"ultralytics would accumulate 4 batches of 16 per optimizer step \(nbs=64\)"),
-    (dict(compile=True), "compile=True makes ultralytics take the loss of a whole-batch forward"),
+    (dict(compile=True), r"compile=True makes ultralytics' loop run the whole batch through the model in one "
+                         r"forward \(preds = model\(batch\['img'\]\)\) and take the loss of its outputs"),
+    (dict(compile="max-autotune"), "compile='max-autotune' makes ultralytics' loop run the whole batch"),
     (dict(world_size=2), "training on 2 devices"),
     (dict(model=torch.nn.Linear(2, 2)), r"the trainer's model \(Linear\) is not the one get_model built"),
 ])

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 import accumnorm
 from accumnorm import Trainer
-from helpers import ce_loss, child_env, rel_err
-from models import NoisyDigits, small_net, vgg
+from helpers import assert_state_close, ce_loss, child_env, rel_err, sgd_halving, train_whole_batch
+from models import NoisyDigits, TinyUnrolled, small_net, tiny_dataset, vgg
 from programs.trainer_resume import KILL_IN_STEP, RESUME_STEPS
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "trainer_resume.py"
@@ -71,6 +71,60 @@ def test_step_equals_whole_batch_pytorch_including_a_short_last_batch():
     assert trainer.step_count == 3 and sched.get_last_lr() == [0.2 * 0.5 ** 3]
     for key, want in oracle.state_dict().items():
         assert rel_err(model.state_dict()[key], want) < 1e-5, key
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_model_trains_like_whole_batch_pytorch_and_checkpoints_its_uncompiled_keys(tmp_path):
+    """compile={"backend": "aot_eager"}, float64, micro-batches of 3 over batches of 8, 8 and 5, clipped, the LR
+    halved every step, torch's BatchNorm unconverted: dynamo compiles graphs, and the losses, parameters and running
+    statistics are whole-batch PyTorch's. The checkpoint holds the uncompiled model's keys, and a compiled trainer
+    loaded from it takes the next step as the trainer that wrote it does."""
+    from torch._dynamo.utils import counters
+
+    x, y = tiny_dataset(21)[:]
+    data = [(x[:8], y[:8]), (x[8:16], y[8:16]), (x[16:], y[16:])]
+    clip = 0.05
+    model = TinyUnrolled()
+    optimizer, scheduler = sgd_halving(model.parameters())
+    trainer = Trainer(model, optimizer, ce_loss, micro_batch_size=3, scheduler=scheduler, max_grad_norm=clip,
+                      compile={"backend": "aot_eager"})
+    losses = [trainer.step(b) for b in data]
+    assert counters["stats"]["unique_graphs"] > 0  # the forward ran compiled, between its BatchNorm calls
+    oracle = TinyUnrolled()
+    want, norms = train_whole_batch(oracle, data, max_grad_norm=clip)
+    assert min(norms) > clip  # clipping is part of what is compared
+    assert losses == pytest.approx(want, rel=1e-12)
+    assert_state_close(model.state_dict(), oracle.state_dict(), 1e-9)
+
+    trainer.save(tmp_path / "ckpt.pt")
+    assert torch.load(tmp_path / "ckpt.pt")["model"].keys() == TinyUnrolled().state_dict().keys()
+    resumed = TinyUnrolled()
+    optimizer, scheduler = sgd_halving(resumed.parameters())
+    loaded = Trainer.load(tmp_path / "ckpt.pt", resumed, optimizer, ce_loss, scheduler=scheduler,
+                          compile={"backend": "aot_eager"})
+    assert loaded.step(data[0]) == trainer.step(data[0])
+    assert_state_close(resumed.state_dict(), model.state_dict(), 0.0)
+
+
+def test_a_compile_that_is_not_torch_compiles_keywords_is_refused_and_changes_nothing(tmp_path):
+    model = accumnorm.convert(small_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = TinyUnrolled()
+    Trainer(other, torch.optim.SGD(other.parameters(), lr=0.1), ce_loss, micro_batch_size=2).save(tmp_path / "other.pt")
+    with pytest.raises(ValueError, match="other.pt: "):  # a checkpoint of another model
+        Trainer.load(tmp_path / "other.pt", model, opt, ce_loss, compile={"backend": "aot_eager"})
+    with pytest.raises(TypeError, match=re.escape("compile must be None or a dict of torch.compile's keyword "
+                                                  "arguments, e.g. {'backend': 'aot_eager'}, got bool True")):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, compile=True)
+    with pytest.raises(TypeError, match=r"compile must hold keyword arguments of torch.compile \(fullgraph, dynamic, "
+                                        r"backend, mode.*got \['backnd'\]"):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, compile={"backnd": "aot_eager"})
+    with pytest.raises(ValueError, match=re.escape("compile={'fullgraph': True} makes each graph break an error, but "
+                                                   "bn='exact' needs one at each BatchNorm call")):
+        Trainer(model, opt, ce_loss, micro_batch_size=2, compile={"fullgraph": True})
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1, got 0"):  # the other checks come first
+        Trainer(model, opt, ce_loss, micro_batch_size=0, compile={"backend": "aot_eager"})
+    assert all(vars(m).get("_compiled_call_impl") is None for m in model.modules())
 
 
 # ---------------------------------------------------------------- fit, logs, errors

@@ -1,6 +1,7 @@
 """`accumnorm.backward`'s arguments: checked before anything runs, and the batch cut into micro-batches."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-__all__ = ["Batch", "BNMode", "Schedule", "check_args", "check_step_args", "split"]
+__all__ = ["Batch", "BNMode", "Schedule", "check_args", "check_compile_options", "check_step_args", "split"]
 
 Batch = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 BNMode = Literal["exact", "micro"]
@@ -29,6 +30,27 @@ def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedul
         raise ValueError(f"bn must be one of {get_args(BNMode)}, got {bn!r}")
     if schedule not in get_args(Schedule):
         raise ValueError(f"schedule must be one of {get_args(Schedule)}, got {schedule!r}")
+
+
+def check_compile_options(options: Any, bn: Any, name: str = "compile") -> None:
+    """Keyword arguments for `torch.compile` that the Trainer or an integration compiles the model with (`name` says
+    whose, in the messages): None, or a dict that `torch.compile` takes and that a step can keep exact. Checked before
+    the model is compiled."""
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise TypeError(f"{name} must be None or a dict of torch.compile's keyword arguments, e.g. "
+                        f"{{'backend': 'aot_eager'}}, got {type(options).__name__} {options!r}. Nothing was changed")
+    try:
+        inspect.signature(torch.compile).bind(None, **options)
+    except TypeError as err:
+        keywords = ", ".join(list(inspect.signature(torch.compile).parameters)[1:])
+        raise TypeError(f"{name} must hold keyword arguments of torch.compile ({keywords}), got {sorted(options)!r}: "
+                        f"{err}. Nothing was changed") from err
+    if options.get("fullgraph") and bn == "exact":
+        raise ValueError(f"{name}={{'fullgraph': True}} makes each graph break an error, but bn='exact' needs one at "
+                         "each BatchNorm call, where the micro-batches meet. Nothing was changed. Leave fullgraph "
+                         "out (False), or pass bn='micro'")
 
 
 def _check_objective(loss_fn: Any, forward_fn: Any, batch_loss_fn: Any, targets: Any) -> None:

@@ -26,6 +26,7 @@ from .intercept.forwards import step_forwards
 from .lazy_eps import warn_large_eps
 from .memory.budget import check_budget, check_budget_fits_passes, default_budget
 from .memory.store import resolve_store, store_for
+from .safety import untraced
 from .safety.interrupts import SigintDeferred
 from .safety.rng import StepRng
 from .safety.threadstate import ThreadState
@@ -143,6 +144,7 @@ def backward(
             "accumnorm.backward was called inside another accumnorm.backward step (from its loss_fn, forward_fn, "
             "batch_loss_fn or a hook): steps cannot be nested. Run the inner step before or after the outer one, or "
             "make its model part of the outer step's loss")
+    untraced.prepare()  # what torch.compile'd code must not trace, once dynamo is imported
     model, process_group = unwrap_ddp(model, process_group)
     check_args(model, loss_fn, micro_batch_size, bn, schedule, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
                targets=targets)

@@ -9,7 +9,7 @@ from .._engine.args import check_args
 from .._engine.memory.store import resolve_store
 from .._engine.step.objective import LossFn
 
-__all__ = ["backward_options", "refuse_compiled"]
+__all__ = ["backward_options"]
 
 
 def backward_options(model: nn.Module, loss_fn: LossFn, *, micro_batch_size: Any, bn: Any, schedule: Any,
@@ -20,12 +20,3 @@ def backward_options(model: nn.Module, loss_fn: LossFn, *, micro_batch_size: Any
     resolve_store(store)
     return dict(micro_batch_size=micro_batch_size, bn=bn, schedule=schedule, store=store)
 
-
-def refuse_compiled(model: nn.Module, remedy: str) -> None:
-    """A torch.compile'd model (its wrapper, or `module.compile()`) hides its BatchNorm calls from accumnorm, which
-    refuses it at its first step; the integrations refuse it at set-up, in their framework's terms (`remedy`)."""
-    for name, module in model.named_modules():
-        if type(module).__name__ == "OptimizedModule" or vars(module).get("_compiled_call_impl") is not None:
-            where = f"its submodule {name}" if name else "it"
-            raise ValueError(f"the model ({type(model).__name__}) is compiled ({where}): accumnorm cannot see the "
-                             f"BatchNorm calls inside a torch.compile'd graph; {remedy}")

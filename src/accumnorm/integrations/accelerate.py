@@ -20,10 +20,14 @@ accumnorm runs the forwards on the module inside and reduces statistics and grad
 model's process group itself, so the wrapper's own reducer is never armed (forward through the wrapped
 model only under `torch.no_grad()`, e.g. to evaluate).
 
+`Accelerator(dynamo_backend=...)` on one process compiles the model `prepare` returns, and the steps stay
+exact: dynamo breaks its graph at each BatchNorm call.
+
 `ExactAccumulator(...)` refuses, before any step and saying what to change, what would train wrongly:
 `Accelerator(gradient_accumulation_steps=...)` (plain accumulation), an optimizer that `prepare` has
-not seen or that steps other tensors, set-ups other than one process or DDP (FSDP, DeepSpeed), and
-arguments that `accumnorm.backward` would refuse.
+not seen or that steps other tensors, set-ups other than one process or DDP (FSDP, DeepSpeed), a
+compiled DDP wrapper (`dynamo_backend` on several processes: accumnorm runs a DDP model as its inner
+module, which the compiled wrapper hides), and arguments that `accumnorm.backward` would refuse.
 """
 from __future__ import annotations
 
@@ -91,6 +95,12 @@ class ExactAccumulator:
                 f"Accelerator(gradient_accumulation_steps={steps}) accumulates with each batch's own BatchNorm "
                 f"statistics; leave it at 1 and give backward the batch of a whole optimizer step ({steps}x the "
                 f"loader's batch_size), which it splits into micro-batches of micro_batch_size={micro_batch_size}")
+        if isinstance(getattr(model, "_orig_mod", None), DistributedDataParallel):
+            raise ValueError("the model is a torch.compile'd DDP wrapper (Accelerator(dynamo_backend=...) on several "
+                             "processes): accumnorm runs a DDP model as its inner module, reducing statistics and "
+                             "gradients itself, which the compiled wrapper hides, and the wrapper's reducer would wait "
+                             "for a backward of its own. Nothing was changed. Prepare the model with "
+                             "dynamo_backend='no', or train on one process")
         if not isinstance(model, DistributedDataParallel) and accelerator.distributed_type != DistributedType.NO:
             raise ValueError(f"ExactAccumulator runs on one process or on DDP processes (multi-GPU, multi-CPU), "
                              f"got distributed_type={accelerator.distributed_type.value} with a "

@@ -31,6 +31,13 @@ and `GradientAccumulationScheduler`, manual optimization, an optimizer that does
 parameters, a strategy other than one device or DDP, and overrides of the hooks the mixin owns (the
 mixin's own arguments are checked when the module is made, its place in the bases when the class is).
 A batch is checked when it arrives, before anything changes (`accumnorm.backward` validates it).
+
+A compiled module, `trainer.fit(torch.compile(model, ...))`, trains exactly too. Lightning then compiles
+`training_step`, which here holds the whole accumnorm step, whose own code dynamo must not trace: at set-up
+the mixin gives the module back its uncompiled `training_step` and compiles, with the same options, what
+each micro-batch runs, `training_loss` (dynamo breaks its graph at each BatchNorm call). `validation_step`
+and the others stay as Lightning compiled them. (`model.compile()` compiles only the module's own
+`__call__`; a `training_loss` that calls `self.net(x)` would run uncompiled: compile `self.net` instead.)
 """
 from __future__ import annotations
 
@@ -111,6 +118,7 @@ class ExactAccumulation:
         self._accumnorm_group: ProcessGroup | None = None
         self._accumnorm_ready = False  # set by on_fit_start's checks
         self._accumnorm_has_grad = False  # training_step made this step's gradient: backward must not be missed
+        self._accumnorm_loss = _micro_batch_loss  # compiled by on_fit_start when Lightning compiled the module
 
     def training_loss(self, batch: Any) -> Tensor:
         """The mean loss over one micro-batch, a scalar Tensor: implement it in the subclass."""
@@ -125,7 +133,7 @@ class ExactAccumulation:
         # gradient is made inside training_step, so it starts from zero here and the two hooks below do nothing.
         self.zero_grad(set_to_none=True)
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # "16-mixed" only
-        loss = backward(self, batch, _micro_batch_loss, process_group=self._accumnorm_group, grad_scaler=scaler,
+        loss = backward(self, batch, self._accumnorm_loss, process_group=self._accumnorm_group, grad_scaler=scaler,
                         **self.accumnorm_options)
         self._accumnorm_has_grad = True
         return loss
@@ -142,9 +150,16 @@ class ExactAccumulation:
         self._accumnorm_has_grad = False
 
     def on_fit_start(self) -> None:
-        """Check the trainer before any step and find the process group of a DDP strategy."""
+        """Check the trainer before any step and find the process group of a DDP strategy; for a module Lightning
+        compiled (`trainer.fit(torch.compile(module))`), move the compiling from training_step to training_loss."""
         super().on_fit_start()
         self._accumnorm_group = _check_trainer(self)
+        compiled = getattr(self, "_compiler_ctx", None)  # what Lightning's from_compiled keeps
+        if compiled is not None:
+            # the compiled training_step would have dynamo trace the step's own code: the step runs as Python,
+            # and each micro-batch's training_loss runs compiled
+            self.training_step = compiled["original_training_step"]
+            self._accumnorm_loss = compiled["dynamo_ctx"](_micro_batch_loss)
         self._accumnorm_ready = True
 
 

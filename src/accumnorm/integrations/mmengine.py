@@ -20,9 +20,15 @@ on each micro-batch and calls the model's `loss_by_feat(outputs, data_samples)` 
 whole batch (each tensor concatenated over the micro-batches) and all its data samples, which returns the dict
 of losses `loss` would. One process only (accumnorm's whole-batch loss form does not run under DDP).
 
+The runner's `compile` config (`compile=True` or a dict of torch.compile's options, e.g. `dict(backend="inductor")`)
+compiles what the exact step runs: mmengine compiles `model.train_step`, which the loop bypasses, so the loop
+compiles the model itself in place (`model.compile(...)`: its forward, the loss mode included, and its validation
+too; checkpoints keep their keys). The steps stay exact: dynamo breaks its graph at each BatchNorm call.
+
 Refused before the first step, saying what to change (a ValueError): `accumulative_counts > 1`, several optim
 wrappers, a wrapper other than DDP (FSDP, DeepSpeed, MMSeparateDistributedDataParallel), a model with its own
-`train_step` (it would be bypassed), an optimizer over other tensors than the model's. A step that fails (a NaN
+`train_step` (it would be bypassed), an optimizer over other tensors than the model's, a `compile` config that
+torch.compile would not take or with `fullgraph=True` (a graph break is then an error). A step that fails (a NaN
 loss, an exception, Ctrl-C) changes nothing: the model, the optimizer, the schedulers and the loop's iteration
 counter are as they were, and the error reaches mmengine.
 """
@@ -36,9 +42,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import accumnorm
 
-from .._engine.args import BNMode, Schedule
+from .._engine.args import BNMode, Schedule, check_compile_options
 from .._optimizer import check_optimizer
-from ._checks import backward_options, refuse_compiled
+from ._checks import backward_options
 
 try:
     from mmengine.model import BaseModel, is_model_wrapper
@@ -69,8 +75,13 @@ class _ExactTrainStep:
         super().__init__(runner, dataloader, **kwargs)  # type: ignore[call-arg]
 
     def run(self) -> Any:
-        """Check the runner's model and optim wrapper, then run mmengine's loop."""
+        """Check the runner's model, optim wrapper and compile config, compile the model as configured, then run
+        mmengine's loop."""
         _check_runner(self.runner, self.whole_batch_loss, self.accumnorm_options["micro_batch_size"])
+        compile_options = _compile_options(self.runner.cfg.get("compile"), self.accumnorm_options["bn"])
+        if compile_options is not None:
+            model = self.runner.model
+            (model.module if is_model_wrapper(model) else model).compile(**compile_options)
         return super().run()  # type: ignore[misc]
 
     def run_iter(self, *args: Any) -> None:
@@ -154,6 +165,17 @@ def _samples(batch: Any) -> int:
     return len(first)
 
 
+def _compile_options(config: Any, bn: str) -> dict[str, Any] | None:
+    """The keyword arguments of torch.compile that the runner's `compile` config (None, a bool or a dict, as mmengine
+    takes it) asks for, checked; None for no compiling. mmengine compiles `model.train_step` with them, which the
+    exact loop bypasses: the loop compiles the model (its forward, the loss mode included) in place instead."""
+    if config is None or config is False:
+        return None
+    options = {} if config is True else dict(config) if isinstance(config, dict) else config
+    check_compile_options(options, bn, name="the runner's compile")
+    return options
+
+
 def _check_runner(runner: Any, whole_batch_loss: bool, micro_batch_size: int) -> None:
     """Refuse, before the first step, what would train other than exactly (module doc)."""
     model, optim_wrapper = runner.model, runner.optim_wrapper
@@ -178,7 +200,6 @@ def _check_runner(runner: Any, whole_batch_loss: bool, micro_batch_size: int) ->
         raise ValueError(f"{type(module).__name__} has its own train_step, which the exact loop would bypass (it runs "
                          "data_preprocessor, the forward in mode='loss' and parse_losses itself): use "
                          "EpochBasedTrainLoop or IterBasedTrainLoop for this model")
-    refuse_compiled(module, "set compile=False in the runner's config")
     check_optimizer(optim_wrapper.optimizer, module, "build optim_wrapper's optimizer over the model's parameters")
     if whole_batch_loss and not callable(getattr(module, "loss_by_feat", None)):
         raise ValueError(f"whole_batch_loss=True takes the loss of the whole batch's outputs from the model's "

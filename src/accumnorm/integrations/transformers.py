@@ -22,9 +22,11 @@ token-level losses, a short last batch included. Without a count (no `labels`) t
 
 Everything else is the Trainer's: logging, checkpoints and resume, `max_grad_norm`, LR schedulers, callbacks,
 `bf16` autocast and `fp16` (its GradScaler scales the loss here), DDP under torchrun (accumnorm reduces
-statistics and gradients itself; the DDP wrapper's reducer is never armed). Refused when the Trainer is made,
-or at the first step before anything changes (a ValueError saying what to change): DeepSpeed, FSDP,
-`torch_compile=True` or a compiled model, several GPUs in one process (DataParallel), an optimizer over other
+statistics and gradients itself; the DDP wrapper's reducer is never armed), and `torch_compile=True` or a
+compiled model on one process (dynamo breaks its graph at each BatchNorm call, where the micro-batches meet).
+Refused when the Trainer is made, or at the first step before anything changes (a ValueError saying what to
+change): DeepSpeed, FSDP, `torch_compile=True` under DDP (Accelerate compiles the DDP wrapper, whose forward
+accumnorm cannot run as its inner module's), several GPUs in one process (DataParallel), an optimizer over other
 tensors than the model's parameters. A step that fails (a NaN loss, an exception, Ctrl-C) changes nothing: the
 Trainer sees the error before its optimizer, scheduler or `global_step` move.
 """
@@ -39,7 +41,7 @@ import accumnorm
 
 from .._engine.args import BNMode, Schedule
 from .._optimizer import check_optimizer
-from ._checks import backward_options, refuse_compiled
+from ._checks import backward_options
 
 try:
     from transformers import Trainer
@@ -159,6 +161,12 @@ def _loss_scale(trainer: Trainer, num_items: Any) -> float:
     return 1.0
 
 
+_COMPILED_DDP = ("TrainingArguments(torch_compile=True) on {processes} processes: Accelerate compiles the DDP wrapper "
+                 "of the model, whose forward accumnorm cannot run as its inner module's (it reduces the statistics "
+                 "and gradients itself, and the wrapper's reducer would wait for a backward of its own). Nothing was "
+                 "changed. Set torch_compile=False, or train on one process")
+
+
 def _check_set_up(trainer: Trainer) -> None:
     """Refuse, when the Trainer is made, the settings under which its steps would not be exact."""
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
@@ -166,10 +174,8 @@ def _check_set_up(trainer: Trainer) -> None:
         raise ValueError(f"ExactTrainer runs on one device or under DDP, got {engine}: accumnorm does not shard "
                          f"the model's statistics and gradients; remove the {engine.lower()} setting from "
                          "TrainingArguments (or the accelerate config) to train with DDP")
-    if trainer.args.torch_compile:
-        raise ValueError("TrainingArguments(torch_compile=True) compiles the model, whose BatchNorm calls accumnorm "
-                         "then cannot see: set torch_compile=False")
-    refuse_compiled(trainer.model, "pass the model uncompiled")
+    if trainer.args.torch_compile and trainer.args.world_size > 1:
+        raise ValueError(_COMPILED_DDP.format(processes=trainer.args.world_size))
     if trainer.args.n_gpu > 1:
         raise ValueError(f"the Trainer would run nn.DataParallel over {trainer.args.n_gpu} GPUs in one process, "
                          "whose replicas normalize their shares alone: launch one process per GPU with torchrun "
@@ -181,8 +187,10 @@ def _check_set_up(trainer: Trainer) -> None:
 
 def _check_step(trainer: Trainer, model: nn.Module) -> None:
     """Refuse, at the first step and before it changes anything, what only the prepared objects show."""
+    # checked before unwrap_model, which puts the module inside the DDP wrapper in the compiled wrapper's place
+    if isinstance(getattr(model, "_orig_mod", None), nn.parallel.DistributedDataParallel):
+        raise ValueError(_COMPILED_DDP.format(processes=trainer.accelerator.num_processes))
     inner = trainer.accelerator.unwrap_model(model, keep_torch_compile=True)
-    refuse_compiled(inner, "set torch_compile=False and pass the model uncompiled")
     if model is not inner and not isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError(f"ExactTrainer runs on one device or under DDP, got the model wrapped in "
                          f"{type(model).__name__}")

@@ -21,9 +21,10 @@ GradScaler scales it, as the trainer's own backward would. Copies and pickles of
 `last.pt`, `best.pt`) are of ultralytics' own class: checkpoints load without accumnorm.
 
 Refused when training starts (a ValueError naming what to change): ultralytics' own accumulation (batch <
-nbs, also after an out-of-memory retry halved the batch), `compile=True` (its loop then takes the loss of a
-whole-batch forward), several GPUs (the whole-batch loss form runs in one process), a model the trainer
-replaced after building it (distillation, quantization-aware training).
+nbs, also after an out-of-memory retry halved the batch), `compile=True` or a mode (its loop then runs the
+whole batch in one forward of its own and takes the loss of those outputs), several GPUs (the whole-batch loss
+form runs in one process), a model the trainer replaced after building it (distillation, quantization-aware
+training).
 """
 from __future__ import annotations
 
@@ -124,7 +125,10 @@ def _check_trainer(trainer: Any) -> None:
                          f"set batch >= nbs (e.g. batch={trainer.args.nbs}), the batch of one step, and let "
                          "micro_batch_size set the images per forward")
     if trainer.args.compile:
-        raise ValueError("compile=True makes ultralytics take the loss of a whole-batch forward: use compile=False")
+        raise ValueError(f"compile={trainer.args.compile!r} makes ultralytics' loop run the whole batch through the "
+                         "model in one forward (preds = model(batch['img'])) and take the loss of its outputs: every "
+                         "BatchNorm call normalizes that forward alone, outside accumnorm's step, and the whole "
+                         "batch's activations are held at once. Nothing was changed. Use compile=False")
     if trainer.world_size > 1:
         raise ValueError(f"training on {trainer.world_size} devices: exact accumulation of a whole-batch loss runs in "
                          "one process; train on one device")

@@ -31,6 +31,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
+from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
 from .frames import forward_regions, in_recomputation, in_region
 from .regions import Region, Run, record_saved, region_modules
@@ -64,6 +65,7 @@ def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
     return saved / max(1, rows)
 
 
+@untraced.untraced
 def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
                  own: Own) -> Any:
     """`forward(*args, **kwargs)` in a checkpointed region. The arguments go in as their tensors, which the region
@@ -157,21 +159,24 @@ def _top_hooks(pack: Callable[..., Any]) -> Iterator[None]:
 
 def _module_forward(own: Own) -> Callable[..., Any]:
     """A module region's forward: its class's, checkpointed."""
+    @untraced.skip_frames
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return _region_call(self, types.MethodType(type(self).forward, self), args, kwargs, own)
+        return untraced.call(_region_call)(self, types.MethodType(type(self).forward, self), args, kwargs, own)
     return forward
 
 
 def _sequential_forward(runs: list[Run], own: Own) -> Callable[..., Any]:
     """torch's `nn.Sequential.forward` with `runs` of its children each called in one checkpointed region: every
     child is called as torch calls it (its hooks run), on the output of the one before."""
-    def forward(self: nn.Sequential, input: Any) -> Any:
+    @untraced.skip_frames
+    def forward(self: nn.Sequential, input: Any) -> Any:  # noqa: A002 - torch's name
         children = list(self._modules.values())
         done = 0
         for run in runs:
             for child in children[done:run.start]:
                 input = child(input)
-            input = _region_call(run, functools.partial(_call_in_turn, run.children()), (input,), {}, own)
+            input = untraced.call(_region_call)(run, functools.partial(_call_in_turn, run.children()), (input,), {},
+                                                own)
             done = run.stop
         for child in children[done:]:
             input = child(input)

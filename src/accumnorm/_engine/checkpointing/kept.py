@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..intercept.forwards import CONVOLUTIONS
+from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
 
 __all__ = ["MIN_REDUCTION", "Kept", "choose", "keeps", "output_bytes"]
@@ -93,7 +94,7 @@ class Kept:
     def own(self, frame: Any) -> None:
         """Keep convolution outputs in this region frame (one of the schedule's own regions, not the user's)."""
         key = id(frame)
-        self.frames[key] = (weakref.ref(frame, lambda _, key=key: self.frames.pop(key, None)), deque())
+        self.frames[key] = (weakref.ref(frame, untraced.wrap(lambda _, key=key: self.frames.pop(key, None))), deque())
 
     def owns(self, frame: Any) -> bool:
         entry = self.frames.get(id(frame))

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..intercept.calls import BNCall, INCall, NormCalls, Watch
+from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
 from .frames import forward_regions, in_recomputation
 from .kept import Kept
@@ -91,8 +92,8 @@ class RecordedRegions:
         key = id(frame)
         entry = self.calls.get(key)
         if entry is None or entry[0]() is not frame:
-            entry = self.calls[key] = (weakref.ref(frame, lambda _, key=key: self.calls.pop(key, None)), [],
-                                       frame.recompute_fn)
+            gone = untraced.wrap(lambda _, key=key: self.calls.pop(key, None))
+            entry = self.calls[key] = (weakref.ref(frame, gone), [], frame.recompute_fn)
             self._recompute_in_step(frame, entry[1])
         return entry[1]
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ...functional import Moments
+from ..safety import untraced
 from ..safety.graphs import Graphs
 from ..safety.threadstate import Modes
 
@@ -137,33 +138,32 @@ class NormCalls(TorchFunctionMode):
         # (`forwards`), for the recompute schedule's kept outputs (`checkpointing.kept`).
         self.convolutions: Callable[..., Tensor] | None = None
 
+    @untraced.skip_frames
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: A002 - torch's signature
         kwargs = kwargs or {}
         if func in _BATCH_NORM:
             a = _bind(_BATCH_NORM[func], args, kwargs)
             if a["training"]:
-                return self.batch_norm(a["input"], a["running_mean"], a["running_var"], a["weight"], a["bias"],
-                                       a["momentum"], a["eps"])
+                return untraced.call(NormCalls.batch_norm)(self, a["input"], a["running_mean"], a["running_var"],
+                                                           a["weight"], a["bias"], a["momentum"], a["eps"])
         elif func in _INSTANCE_NORM:
-            a = _bind(_INSTANCE_NORM[func], args, kwargs)
-            rm = a["running_mean"]
-            if a["use_input_stats"] and rm is not None:
-                out = self.on_instance_norm(INCall(a["input"], rm, a["running_var"], a["weight"], a["bias"],
-                                                   a["momentum"], a["eps"], self._owner(rm)))
-            else:
-                out = func(*args, **kwargs)
-            self.graphs.instance_norm(out)  # torch makes it a batch norm of one sample: the step saw it
-            return out
+            return untraced.call(NormCalls.instance_norm)(self, func, _bind(_INSTANCE_NORM[func], args, kwargs),
+                                                          args, kwargs)
         elif func is _GRAD and not self.gradients:
-            inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-            try:  # run first: one through a met call is refused there, saying so
-                grads = func(*args, **kwargs)
-            except RuntimeError:  # torch's own error (an output without its graph): ours first, where it applies
-                self._refuse_gradient_of_parameters(inputs)
-                raise
-            self._refuse_gradient_of_parameters(inputs)
-            return grads
+            return untraced.call(NormCalls.gradient)(self, func, args, kwargs)
         return func(*args, **kwargs)
+
+    @untraced.untraced
+    def gradient(self, func: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A torch.autograd.grad call, with this mode off the thread's stack: its gradients, unless refused."""
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+        try:  # run first: one through a met call is refused there, saying so
+            grads = func(*args, **kwargs)
+        except RuntimeError:  # torch's own error (an output without its graph): ours first, where it applies
+            self._refuse_gradient_of_parameters(inputs)
+            raise
+        self._refuse_gradient_of_parameters(inputs)
+        return grads
 
     def _refuse_gradient_of_parameters(self, inputs: Any) -> None:
         """torch.autograd.grad in a micro-batch's forward (or, under passes and one micro-batch at a time, in
@@ -180,12 +180,25 @@ class NormCalls(TorchFunctionMode):
                 "was changed. Take such a term in batch_loss_fn (forward_fn= and batch_loss_fn=), which sees the "
                 "whole batch's outputs and their graph under schedule='layerwise'")
 
+    @untraced.untraced
+    def instance_norm(self, func: Callable[..., Tensor], a: dict[str, Any], args: tuple, kwargs: dict) -> Tensor:
+        """An instance-norm call (`a`: its arguments by name), with this mode off the thread's stack: its output."""
+        rm = a["running_mean"]
+        if a["use_input_stats"] and rm is not None:
+            out = self.on_instance_norm(INCall(a["input"], rm, a["running_var"], a["weight"], a["bias"],
+                                               a["momentum"], a["eps"], self._owner(rm)))
+        else:
+            out = func(*args, **kwargs)
+        self.graphs.instance_norm(out)  # torch makes it a batch norm of one sample: the step saw it
+        return out
+
+    @untraced.untraced
     def batch_norm(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,  # noqa: A002
                    weight: Tensor | None, bias: Tensor | None, momentum: float | None, eps: float) -> Tensor:
         """A batch-statistics call, with this mode off the thread's stack (as in `__torch_function__`): its output."""
         modes = Modes.current()
         self._refuse_where_inexact(modes)
-        owner = self._owner(running_mean)
+        owner = None if running_mean is None else self.owners.get(id(running_mean))
         if running_mean is not None and owner is None:  # at its first call, before the others count it up too
             raise ValueError(
                 f"bn='exact' met a F.batch_norm call over {input.shape[1]} channels whose running statistics are not "
@@ -194,9 +207,10 @@ class NormCalls(TorchFunctionMode):
                 "layer's own num_batches_tracked, counted up by its forward before this call). Make the layer part "
                 "of the model, or put it in eval mode")
         counted = False
-        if owner in self.versions:  # a BatchNorm layer's: counted if its forward bumped num_batches_tracked
-            version = owner.num_batches_tracked._version
-            counted = version != self.versions[owner]
+        last = self.versions.get(owner)
+        if last is not None:  # a BatchNorm layer's: counted if its forward bumped num_batches_tracked
+            version = owner._buffers["num_batches_tracked"]._version  # the buffer, without Module.__getattr__
+            counted = version != last
             self.versions[owner] = version
             if counted:
                 self.seen[owner] += 1

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..safety import untraced
 from .calls import NormCalls
 
 __all__ = ["CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards"]
@@ -77,6 +78,7 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
             vars(m).pop("forward", None)
 
 
+@untraced.skip_frames
 def _step_mode() -> NormCalls | None:
     """The step's mode, when it is the innermost one on this thread."""
     depth = _C._len_torch_function_stack()
@@ -84,21 +86,35 @@ def _step_mode() -> NormCalls | None:
     return mode if isinstance(mode, NormCalls) else None
 
 
+@untraced.skip_frames
 def _plain_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward
-    if _step_mode() is None:
+    if torch.compiler.is_compiling() or _step_mode() is None:  # dynamo traces through the mode (`untraced`)
         return forward(self, *args, **kwargs)
     mode = _C._pop_torch_function_stack()
     try:
         if mode.convolutions is not None and type(self) in CONVOLUTIONS:
-            return mode.convolutions(self, forward, args, kwargs)
+            return untraced.call(_convolution)(mode, self, forward, args, kwargs)
         return forward(self, *args, **kwargs)
     finally:
         _C._push_on_torch_function_stack(mode)
 
 
+@untraced.untraced
+def _convolution(mode: NormCalls, layer: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Tensor:
+    return mode.convolutions(layer, forward, args, kwargs)
+
+
+@untraced.skip_frames
 def _batch_norm_forward(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
     """`_BatchNorm.forward`, line for line, but for its F.batch_norm call in training, which goes to the mode."""
+    if torch.compiler.is_compiling():  # dynamo traces through the mode (`untraced`)
+        return _BatchNorm.forward(self, input)
+    return untraced.call(_batch_norm_in_step)(self, input)
+
+
+@untraced.untraced
+def _batch_norm_in_step(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
     mode = _step_mode()
     if mode is None or not self.training:  # eval: running statistics, or batch ones through the mode as usual
         return _BatchNorm.forward(self, input)

@@ -1,9 +1,10 @@
 """What exact mode refuses.
 
 Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm,
-a BatchNorm inside a torch.compile'd module, nn.DataParallel's replica threads, a layer that declares it through
-`accumnorm_exact_refusal`), and backward hooks that would hook the met call's node rather than the layer's. After
-it, the step's ledger holds every BatchNorm forward to a call the step saw (`step.ledger.check_every_call_seen`).
+a torch.compile'd module with fullgraph=True or CUDA graphs, nn.DataParallel's replica threads, a layer that
+declares it through `accumnorm_exact_refusal`), and backward hooks that would hook the met call's node rather than
+the layer's. After it, the step's ledger holds every BatchNorm forward to a call the step saw
+(`step.ledger.check_every_call_seen`).
 """
 from __future__ import annotations
 
@@ -33,14 +34,7 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
             raise ValueError(f"bn='exact' cannot see the BatchNorm of the TorchScript module {where} "
                              f"({m.original_name}): TorchScript runs it in C++. Script the model after training, or "
                              "pass bn='micro'")
-        if _compiled(m) and any(isinstance(d, _BatchNorm) and (d.training or d.running_mean is None)
-                                for d in m.modules()):
-            compiled = f"the torch.compile'd module {name}" if name else "the torch.compile'd model"
-            raise ValueError(f"bn='exact' cannot see the BatchNorm calls inside {compiled}: "
-                             "dynamo compiles them into its graph, where each normalizes one micro-batch alone, and "
-                             "would trace the step's own code at each of them. Nothing was changed. Compile the parts "
-                             "between the BatchNorm layers (each block's convolutions, say), train uncompiled, or pass "
-                             "bn='micro'")
+        _refuse_compile_options(m, name)
         if isinstance(m, nn.DataParallel) and len(m.device_ids) > 1:
             raise ValueError(f"bn='exact' cannot see the BatchNorm calls of nn.DataParallel ({where}): its replicas "
                              "run in threads of their own. Use torch.distributed (accumnorm.backward's process_group, "
@@ -53,9 +47,51 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
                              f"schedule: {reason}")
 
 
-def _compiled(m: nn.Module) -> bool:
-    """Whether torch.compile runs `m`'s forward: its wrapper (`torch.compile(module)`) or `module.compile()`."""
-    return type(m).__name__ == "OptimizedModule" or vars(m).get("_compiled_call_impl") is not None
+def _refuse_compile_options(m: nn.Module, name: str) -> None:
+    """A module torch.compile runs with options no step can keep exact: `fullgraph=True`, which makes the graph break
+    at each BatchNorm call (`untraced`) an error, and CUDA graphs on CUDA, which replay each graph into the same
+    output memory while a step holds every micro-batch's outputs of it at once."""
+    context = _compile_context(m)
+    if context is None:
+        return
+    compiled = f"the torch.compile'd module {name}" if name else "the torch.compile'd model"
+    if getattr(context, "fullgraph", False):
+        raise ValueError(f"bn='exact' needs a graph break at each BatchNorm call of {compiled}, where the "
+                         "micro-batches meet, but it was compiled with fullgraph=True, which makes a graph break an "
+                         "error. Nothing was changed. Compile it with fullgraph=False (the default), or pass "
+                         "bn='micro'")
+    backend = _backend(context)
+    config = getattr(backend, "config", None)
+    cudagraphs = getattr(backend, "_compiler_name", None) == "cudagraphs" or (
+        isinstance(config, dict) and bool(config.get("triton.cudagraphs")))
+    if cudagraphs and any(p.is_cuda for p in m.parameters()):
+        raise ValueError(f"bn='exact' cannot run {compiled} under CUDA graphs (mode='reduce-overhead' or "
+                         "'max-autotune', or the cudagraphs backend): a CUDA graph replays into the same output "
+                         "memory at each call, while the step holds every micro-batch's outputs of it at once. Nothing "
+                         "was changed. Compile it with mode='default' or 'max-autotune-no-cudagraphs'")
+
+
+def _compile_context(m: nn.Module) -> object | None:
+    """The dynamo context that runs `m`'s forward, if torch.compile does: its wrapper's (`torch.compile(module)`), or
+    the one in the closure of `module.compile()`'s compiled call."""
+    if type(m).__name__ == "OptimizedModule":
+        return getattr(m, "dynamo_ctx", None)
+    compiled = vars(m).get("_compiled_call_impl")
+    if compiled is None:
+        return None
+    cells = getattr(compiled, "__closure__", None) or ()
+    return next((c.cell_contents for c in cells if hasattr(c.cell_contents, "fullgraph")), None)
+
+
+def _backend(context: object) -> object:
+    """The compiler a dynamo context hands its graphs to (inductor's wrapper keeps its options in `config`)."""
+    backend = getattr(context, "callback", None)
+    for _ in range(4):  # dynamo's wrappers around it, each pointing to the next
+        inner = getattr(backend, "_torchdynamo_orig_backend", None)
+        if inner is None:
+            break
+        backend = inner
+    return backend
 
 
 def refuse_node_backward_hooks(names: dict[nn.Module, str]) -> None:

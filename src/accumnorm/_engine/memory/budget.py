@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.nn.parameter import is_lazy
 
 from ..._dist import unwrap_ddp
+from ..safety import untraced
 from .store import Store
 
 __all__ = ["Choice", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget", "figures",
@@ -162,7 +163,7 @@ class Meter:
             raise OverBudget
 
     def hooks(self) -> AbstractContextManager:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(untraced.wrap(self.pack), untraced.wrap(self.unpack))
 
     def pack(self, t: Tensor) -> Any:
         if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ..safety import untraced
+
 __all__ = ["Store", "resolve_store", "store_for"]
 
 # Copies back started ahead of the backward: enough to hide one copy behind the compute of the previous ones,
@@ -57,7 +59,7 @@ class Store:
         self._host = _HostCopies() if self.pin else None
 
     def hooks(self) -> AbstractContextManager:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(untraced.wrap(self.pack), untraced.wrap(self.unpack))
 
     def pack(self, t: Tensor) -> Any:
         # Parameters are kept by reference: copying a weight once per micro-batch would only waste memory. A non-leaf

@@ -5,7 +5,8 @@ would alone.
 modules and parameters, each once; `rng`: each micro-batch's random stream, the caller's generators one draw
 on; `interrupts`: Ctrl-C taken at the step's safe points; `threadstate` and `flags`: torch's per-thread state and
 process-wide flags, swapped as the micro-batches take turns; `graphs`: the K graphs checked before their
-backward (no micro-batch uses another's tensors, no batch norm ran unseen).
+backward (no micro-batch uses another's tensors, no batch norm ran unseen); `untraced`: the engine's code that
+torch.compile runs as it is (a graph break at each BatchNorm call) and never compiles.
 
 Imports: torch only; no other layer of the engine.
 """

@@ -111,14 +111,6 @@ class Graphs:
         self.pieces.clear()
         self.seen.clear()
 
-    def owner(self, node: Any) -> int | None:
-        """The micro-batch that made `node`, or None (made before the step, between turns, or a leaf's; or a cast of
-        a leaf, which autocast's cache makes once for every micro-batch and which depends on no sample)."""
-        i = bisect_right(self.starts, node._sequence_nr()) - 1
-        if i < 0 or self.owners[i] is None or _leaf_cast(node):
-            return None
-        return self.owners[i]
-
     def check(self, results: Sequence[tuple[int, Any]]) -> None:
         """Walk each micro-batch k's graph from its `result` (its loss, or its outputs): raise on another
         micro-batch's node, or on a batch-statistics batch norm the step did not make."""
@@ -130,7 +122,7 @@ class Graphs:
             self._shared(*shared[0])
 
     def _walk(self, k: int, result: Any, walked: dict[Any, int], shared: list[tuple[int, Any, int | None]]) -> None:
-        pieces, rows_of, seen, owner = self.pieces, self.rows, self.seen, self.owner
+        pieces, rows_of, seen, starts, owners = self.pieces, self.rows, self.seen, self.starts, self.owners
         stack: list[Edge] = [_edge(t) for t in tree_leaves(result) if isinstance(t, Tensor) and t.grad_fn is not None]
         while stack:
             node, output = stack.pop()
@@ -148,8 +140,11 @@ class Graphs:
             first = walked.get(node)  # the micro-batch whose walk reached it first
             if first == k:
                 continue
-            made_by = owner(node)
-            if made_by is not None and made_by != k:
+            # The micro-batch whose turn made it (None: before the step, or the driver's, between turns). A cast of a
+            # leaf is no one's: autocast's cache makes it once for every micro-batch, and it depends on no sample.
+            span = bisect_right(starts, node._sequence_nr()) - 1
+            made_by = owners[span] if span >= 0 else None
+            if made_by is not None and made_by != k and not _leaf_cast(node):
                 shared.append((k, node, made_by))
             if first is not None:
                 continue

@@ -26,6 +26,8 @@ import threading
 from types import FrameType
 from typing import Any
 
+from . import untraced
+
 __all__ = ["SigintDeferred"]
 
 
@@ -56,7 +58,7 @@ class SigintDeferred:
             return
         handler = signal.getsignal(signal.SIGINT)
         if callable(handler):  # SIG_IGN / SIG_DFL: nothing is raised in Python, nothing to defer
-            self.previous = signal.signal(signal.SIGINT, self._record)
+            self.previous = signal.signal(signal.SIGINT, untraced.wrap(self._record))
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         resent, self.resent = self.resent, False

@@ -29,6 +29,8 @@ _C = torch._C
 _get_eval_frame = _C._dynamo.eval_frame.get_eval_frame_callback
 _set_eval_frame = _C._dynamo.eval_frame.set_eval_frame
 
+_last_modes: list[Any] = [()]  # the modes read last, on any thread: an equal read returns that object
+
 
 class Modes(NamedTuple):
     """The modes a forward runs in: grad mode, forward-AD mode, autocast (device, enabled, dtype), autograd's
@@ -48,11 +50,18 @@ class Modes(NamedTuple):
 
     @classmethod
     def current(cls) -> Modes:
-        return cls(_C.is_grad_enabled(), _C._is_fwd_grad_enabled(),
-                   (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
-                    ("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))),
-                   torch.is_autocast_cache_enabled(), (_C._is_multithreading_enabled(), _C._is_view_replay_enabled()),
-                   flags())
+        """The thread's modes now. Read at every BatchNorm call, where they rarely change: the same modes come as
+        the same object (as `flags()` does), which the comparisons of the calls and the swaps pass at identity."""
+        now = (_C.is_grad_enabled(), _C._is_fwd_grad_enabled(),
+               (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
+                ("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))),
+               torch.is_autocast_cache_enabled(), (_C._is_multithreading_enabled(), _C._is_view_replay_enabled()),
+               flags())
+        last = _last_modes[0]
+        if now == last:
+            return last
+        modes = _last_modes[0] = cls(*now)
+        return modes
 
     def apply(self, current: Modes) -> None:
         if self.grad != current.grad:

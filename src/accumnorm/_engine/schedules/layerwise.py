@@ -176,13 +176,16 @@ class _Lockstep:
                                f"({self.step.describe(call)})")
         own = ThreadState.capture(call.modes)
         call.saved_tensor_hooks = own.saved_tensor_hooks
+        swap = own != self.base  # else (the usual case) this micro-batch runs in the driver's state: nothing to swap
         try:
-            self.base.apply(own)
+            if swap:
+                self.base.apply(own)
             y, replay = self.driver.switch(call)  # the driver comes back once all K have met, in its state
         except BaseException:  # unwound by the driver: back to this micro-batch's state, from wherever it is
             own.apply(ThreadState.capture())
             raise
-        own.apply(self.base)
+        if swap:
+            own.apply(self.base)
         if own.saved_tensor_hooks:  # in a checkpointed region, the region's recomputation gives the output again
             self.step.regions.enter_forward_call(replay, own.saved_tensor_hooks)
         return y

@@ -184,6 +184,9 @@ class _Passes:
             loss = self.step.forward(k)
         except _Stop:
             return _STOPPED
+        except BaseException as e:  # as layerwise says it: where it happened
+            e.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
+            raise
         finally:
             self.forwarding = False
         if self.index != len(self.calls):

@@ -1,0 +1,370 @@
+"""torch.compile'd models, submodules, functions and losses through accumnorm.backward, against whole-batch eager torch.
+
+Dynamo breaks its graph at each batch-statistics call during a step (`safety.untraced`); everything else stays
+compiled. The oracle is the same model uncompiled, trained on the whole batch. aot_eager keeps float64 exact;
+inductor agrees to float32 rounding.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import test_random_networks as random_networks
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+
+import accumnorm
+from helpers import assert_state_close, assert_unchanged, compare_within_rounding, rel_err, snapshot
+
+dynamo = pytest.importorskip("torch._dynamo")
+
+FORMS = ("compile", "method", "submodule", "function", "loss_fn", "dynamic")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # see conftest.py
+N, MICRO, STEPS = 11, 4, 3  # the last micro-batch of each step is shorter: 3 samples
+
+
+class Block(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+def head(x: torch.Tensor, bn: nn.Module, fc: nn.Module) -> torch.Tensor:
+    """A function the forward calls, with a BatchNorm call inside: what the "function" form compiles."""
+    return fc(F.relu(bn(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.block = Block(6)
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc1, self.bn, self.fc2 = nn.Linear(24, 16), nn.BatchNorm1d(16), nn.Linear(16, 5)
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.pool(self.block(self.stem(x))).flatten(1)
+        return self.head(self.fc1(h), self.bn, self.fc2)
+
+
+def ce(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def coupled(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A loss over the whole batch's outputs that no micro-batch can take alone."""
+    return F.cross_entropy(outputs, targets) + outputs.std(0).mean()
+
+
+def assert_grads_close(net: nn.Module, oracle: nn.Module, tol: float) -> None:
+    """Each parameter's gradient within `tol` of the oracle's, relative to the largest of them (a convolution's bias
+    before a BatchNorm has a gradient of rounding errors only)."""
+    scale = max(float(q.grad.abs().max()) for q in oracle.parameters())
+    for (name, p), q in zip(net.named_parameters(), oracle.parameters()):
+        assert rel_err(p.grad, q.grad, floor=scale) < tol, name
+
+
+def batches(dtype: torch.dtype = torch.float64, steps: int = STEPS, n: int = N, shorter_last: bool = False):
+    """`steps` batches of `n` (the last one a sample shorter, if asked) of 3-channel 6x6 inputs and 5 classes."""
+    g = torch.Generator().manual_seed(0)
+    sizes = [n] * (steps - 1) + [n - 1 if shorter_last else n]
+    return [(torch.randn(size, 3, 6, 6, generator=g, dtype=dtype), torch.randint(0, 5, (size,), generator=g))
+            for size in sizes]
+
+
+def compiled(net: Net, form: str, backend: str = "aot_eager"):
+    """(the model to pass, the loss_fn) for a compiled form of `net`."""
+    if form == "compile":
+        return torch.compile(net, backend=backend), ce
+    if form == "dynamic":
+        return torch.compile(net, backend=backend, dynamic=True), ce
+    if form == "method":
+        net.compile(backend=backend)
+    elif form == "submodule":
+        net.block.compile(backend=backend)
+    elif form == "function":
+        net.head = torch.compile(head, backend=backend)
+    elif form == "loss_fn":
+        return net, torch.compile(ce, backend=backend)
+    return net, ce
+
+
+def train_eager_whole_batch(net: nn.Module, data, loss=None) -> None:
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        optimizer.zero_grad()
+        (ce(net, (x, y)) if loss is None else loss(net(x), y)).backward()
+        optimizer.step()
+
+
+def train_accumnorm(model: nn.Module, params, data, loss_fn, **kwargs) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in data:
+        optimizer.zero_grad()
+        losses.append(accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=MICRO, **kwargs))
+        optimizer.step()
+    return losses
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_compiled_form_trains_like_whole_batch_eager_torch(form, schedule_any):
+    torch.manual_seed(0)
+    net = Net().double()
+    oracle = copy.deepcopy(net)
+    data = batches()
+    train_eager_whole_batch(oracle, data)
+    model, loss_fn = compiled(net, form)
+    train_accumnorm(model, net.parameters(), data, loss_fn, schedule=schedule_any)
+    assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
+
+
+@pytest.mark.parametrize("form", ["compile", "function"])
+def test_a_whole_batch_loss_with_a_compiled_forward_trains_like_whole_batch_eager_torch(form, schedule_any):
+    torch.manual_seed(0)
+    net = Net().double()
+    oracle = copy.deepcopy(net)
+    data = batches()
+    train_eager_whole_batch(oracle, data, loss=coupled)
+    model, _ = compiled(net, form)
+    forward = torch.compile(lambda m, x: m(x), backend="aot_eager") if form == "function" else (lambda m, x: m(x))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        optimizer.zero_grad()
+        accumnorm.backward(model, x, micro_batch_size=MICRO, forward_fn=forward, batch_loss_fn=coupled, targets=y,
+                           schedule=schedule_any)
+        optimizer.step()
+    assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
+
+
+@pytest.mark.parametrize("form", ["compile", "method", "submodule"])
+def test_bn_micro_with_a_compiled_model_is_plain_accumulation(form):
+    torch.manual_seed(0)
+    net = Net().double()
+    eager = copy.deepcopy(net)
+    x, y = batches()[0]
+    for i in range(0, N, MICRO):  # plain accumulation, eager: each micro-batch normalized alone
+        (ce(eager, (x[i:i + MICRO], y[i:i + MICRO])) * len(x[i:i + MICRO]) / N).backward()
+    model, loss_fn = compiled(net, form)
+    accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=MICRO, bn="micro")
+    assert_grads_close(net, eager, 1e-10)
+    assert_state_close(net.state_dict(), eager.state_dict(), 1e-10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes"])
+def test_inductor_in_float32_agrees_with_whole_batch_eager_to_float32_rounding(schedule):
+    torch.manual_seed(0)
+    net = Net()
+    oracle = copy.deepcopy(net).double()
+    data = batches(torch.float32)
+    train_eager_whole_batch(oracle, [(x.double(), y) for x, y in data])
+    model, loss_fn = compiled(net, "compile", backend="inductor")
+    train_accumnorm(model, net.parameters(), data, loss_fn, schedule=schedule)
+    state = {k: v.double() if v.is_floating_point() else v for k, v in net.state_dict().items()}
+    assert_state_close(state, oracle.state_dict(), 1e-4)
+
+
+class Compiles:
+    """The frames dynamo compiles while it is active, by code object (`register_bytecode_hook`), and the graphs."""
+
+    def __init__(self) -> None:
+        self.frames: collections.Counter = collections.Counter()
+        self.graphs = 0
+        self.with_batch_norm = 0  # graphs that normalize with a batch-statistics call inside them
+
+    def backend(self, gm, example_inputs):
+        self.graphs += 1
+        self.with_batch_norm += any("batch_norm" in str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    def __enter__(self) -> Compiles:
+        self.handle = dynamo.convert_frame.register_bytecode_hook(lambda code, new: self.frames.update([code]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+
+def test_a_graph_compiled_before_the_step_never_runs_inside_it():
+    torch.manual_seed(0)
+    net = Net().double()
+    oracle = copy.deepcopy(net)
+    counts = Compiles()
+    model = torch.compile(net, backend=counts.backend)
+    x, y = batches()[0]
+    ce(model, (x[:MICRO], y[:MICRO])).backward()  # a plain micro-batch step first: BatchNorm fused in its graph
+    ce(oracle, (x[:MICRO], y[:MICRO])).backward()
+    assert counts.with_batch_norm > 0
+    net.zero_grad()
+    oracle.zero_grad()
+    accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO)
+    ce(oracle, (x, y)).backward()
+    assert_grads_close(net, oracle, 1e-10)
+    assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
+
+
+def test_evaluation_after_steps_gets_one_unbroken_graph_with_its_batch_norms():
+    torch.manual_seed(0)
+    net = Net().double()
+    counts = Compiles()
+    model = torch.compile(net, backend=counts.backend)
+    train_accumnorm(model, net.parameters(), batches(), ce)
+    assert counts.with_batch_norm == 0  # inside the steps, every batch-statistics call is outside the graphs
+    net.eval()
+    x = batches()[0][0]
+    graphs, breaks = counts.graphs, sum(dynamo.utils.counters["graph_break"].values())
+    with torch.no_grad():
+        out = model(x)
+    assert counts.graphs == graphs + 1 and counts.with_batch_norm == 1
+    assert sum(dynamo.utils.counters["graph_break"].values()) == breaks
+    eager = copy.deepcopy(net)
+    assert rel_err(out, eager(x)) < 1e-12
+
+
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes"])
+def test_over_20_steps_with_a_shorter_last_batch_dynamo_compiles_each_frame_at_most_twice(schedule):
+    torch.manual_seed(0)
+    net = Net().double()
+    with Compiles() as counts:
+        model = torch.compile(net, backend=counts.backend)
+        train_accumnorm(model, net.parameters(), batches(steps=20, n=12, shorter_last=True), ce, schedule=schedule)
+    assert counts.frames, "nothing was compiled"
+    assert max(counts.frames.values()) <= 2, {c.co_name: n for c, n in counts.frames.items() if n > 2}
+    assert not [c for c in counts.frames if "accumnorm" in c.co_filename], "dynamo compiled the step's own code"
+
+
+@pytest.mark.parametrize("form", ["compile", "method", "submodule"])
+def test_fullgraph_is_refused_before_anything_changes_naming_fullgraph_false(form):
+    net = Net().double()
+    if form == "compile":
+        model = torch.compile(net, backend="aot_eager", fullgraph=True)
+    elif form == "method":
+        model = net
+        net.compile(backend="aot_eager", fullgraph=True)
+    else:
+        model = net
+        net.block.compile(backend="aot_eager", fullgraph=True)
+    before = snapshot(net)
+    with pytest.raises(ValueError, match="fullgraph=True.*Nothing was changed.*fullgraph=False"):
+        accumnorm.backward(model, batches()[0], ce, micro_batch_size=MICRO)
+    assert_unchanged(net, before)
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_a_function_compiled_with_fullgraph_inside_the_forward_fails_at_its_break_saying_why(schedule):
+    """fullgraph=True on a function the forward calls cannot be seen before the step: dynamo's own error at the first
+    BatchNorm call says why and what to do, the micro-batch is named, and the step is rolled back."""
+    net = Net().double()
+    net.head = torch.compile(head, backend="aot_eager", fullgraph=True)
+    before = snapshot(net)
+    with pytest.raises(dynamo.exc.Unsupported, match="fullgraph=False") as raised:
+        accumnorm.backward(net, batches()[0], ce, micro_batch_size=MICRO, schedule=schedule)
+    assert any("micro-batch 0" in note for note in raised.value.__notes__)
+    assert_unchanged(net, before)
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_reduce_overhead_on_cpu_has_no_cuda_graph_to_refuse_and_trains_exact():
+    torch.manual_seed(0)
+    net = Net()
+    oracle = copy.deepcopy(net).double()
+    x, y = batches(torch.float32)[0]
+    model = torch.compile(net, mode="reduce-overhead")
+    accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO)
+    ce(oracle, (x.double(), y)).backward()
+    assert_grads_close(net, oracle, 1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("kwargs", [{"mode": "reduce-overhead"}, {"backend": "cudagraphs"}])
+def test_cuda_graphs_are_refused_on_cuda_before_anything_changes(kwargs):
+    net = Net().cuda()
+    model = torch.compile(net, **kwargs)
+    x, y = batches(torch.float32)[0]
+    before = snapshot(net)
+    with pytest.raises(ValueError, match="CUDA graphs.*Nothing was changed"):
+        accumnorm.backward(model, (x.cuda(), y.cuda()), ce, micro_batch_size=MICRO)
+    assert_unchanged(net, before)
+
+
+class BackendFailure(Exception):
+    pass
+
+
+def test_a_compile_error_inside_a_step_rolls_it_back_and_reaches_the_caller_as_dynamo_raised_it(schedule):
+    net = Net().double()
+    calls = []
+
+    def failing(gm, example_inputs):
+        calls.append(gm)
+        raise BackendFailure("the backend failed")
+
+    model = torch.compile(net, backend=failing)
+    x, y = batches()[0]
+    before = snapshot(net)
+    with pytest.raises(Exception) as raised:
+        accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO, schedule=schedule)
+    assert calls, "the backend never ran"
+    assert isinstance(raised.value, dynamo.exc.BackendCompilerFailed), type(raised.value)
+    assert "the backend failed" in str(raised.value)
+    assert any("micro-batch 0" in note for note in getattr(raised.value, "__notes__", ())), raised.value
+    assert_unchanged(net, before)
+    assert all(p.grad is None for p in net.parameters())
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_no_dynamo_state_leaks_out_of_a_step(fails, schedule_any):
+    torch.manual_seed(0)
+    net = Net().double()
+    model = torch.compile(net, backend="aot_eager")
+    x, y = batches()[0]
+    ce(model, (x[:MICRO], y[:MICRO]))  # dynamo set up and running before the step, as in a real loop
+    config = dynamo.config.get_config_copy()
+
+    def loss_fn(m, batch):
+        loss = ce(m, batch)
+        if fails and len(batch[0]) < MICRO:
+            raise RuntimeError("the last micro-batch fails")
+        return loss
+
+    with Compiles() as counts:
+        try:
+            accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=MICRO, schedule=schedule_any)
+        except RuntimeError as e:
+            assert fails and "last micro-batch fails" in str(e)
+    assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None
+    assert dynamo.config.get_config_copy() == config
+    assert counts.frames, "nothing was compiled in the step"
+    engine = accumnorm.__path__[0]
+    assert [c.co_name for c in counts.frames if c.co_filename.startswith(engine)] == []
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=random_networks.networks())
+def test_random_networks_compiled_match_whole_batch_in_every_schedule(spec):
+    """The property test's random networks (tests/engine/test_random_networks.py), torch.compile'd (aot_eager), with
+    their torch dropout in eval mode: every exact schedule matches whole-batch eager torch."""
+    model = random_networks.build(spec)
+    for m in random_networks.random_dropouts(model):
+        m.eval()
+    batch = random_networks.random_batch(spec["n"], spec["seed"])
+    ref, twin = copy.deepcopy(model), copy.deepcopy(model)
+    expected = random_networks.whole_batch_and_reversed(ref, twin, batch)
+    for name in ("layerwise", "recompute", "passes"):
+        dynamo.reset()
+        ours = copy.deepcopy(model)
+        loss = accumnorm.backward(torch.compile(ours, backend="aot_eager"), batch, random_networks.loss_fn,
+                                  micro_batch_size=spec["micro"], schedule=name)
+        compare_within_rounding(ref, twin, ours, 1e-9, random_networks.SLACK)
+        assert rel_err(loss, expected) < 1e-10, name
