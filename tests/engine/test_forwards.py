@@ -15,7 +15,7 @@ from helpers import ce_loss
 def test_torchs_batchnorm_forward_is_the_one_the_step_forward_follows():
     source = inspect.getsource(_BatchNorm.forward)
     assert hashlib.sha256(source.encode()).hexdigest() == TORCH_FORWARD_SHA256, (
-        "torch's _BatchNorm.forward changed: read it against _batch_norm_forward in "
+        "torch's _BatchNorm.forward changed: read it against _batch_norm_in_step in "
         "src/accumnorm/_engine/intercept/forwards.py, bring the copy in line, then record the new hash")
 
 

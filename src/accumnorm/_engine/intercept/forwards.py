@@ -50,7 +50,7 @@ _PLAIN_LAYERS = frozenset({
     nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Upsample, nn.PixelShuffle,
 })
 _BATCH_NORM_LAYERS = frozenset({nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d})
-# The sha256 of the source of torch's `_BatchNorm.forward` that `_batch_norm_forward` follows line for line (torch
+# The sha256 of the source of torch's `_BatchNorm.forward` that `_batch_norm_in_step` follows line for line (torch
 # has no path that runs it without the F.batch_norm call): a test fails when torch's changes, to read the two again.
 TORCH_FORWARD_SHA256 = "42c3a1d2b356ef1662d218b545b94188475d74c27a9c4d8cde5d2289e341a5de"
 CONVOLUTIONS = frozenset({nn.Conv1d, nn.Conv2d, nn.Conv3d})  # torch's, exact classes: run through `convolutions`
@@ -102,12 +102,14 @@ def _plain_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 @untraced.untraced
 def _convolution(mode: NormCalls, layer: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Tensor:
+    """A convolution layer's call through the mode's `convolutions`: the step's code, which dynamo never traces."""
     return mode.convolutions(layer, forward, args, kwargs)
 
 
 @untraced.skip_frames
 def _batch_norm_forward(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
-    """`_BatchNorm.forward`, line for line, but for its F.batch_norm call in training, which goes to the mode."""
+    """A BatchNorm layer's forward in a step: traced by dynamo as the class's (its call reaches the mode), else run
+    untraced (`_batch_norm_in_step`)."""
     if torch.compiler.is_compiling():  # dynamo traces through the mode (`untraced`)
         return _BatchNorm.forward(self, input)
     return untraced.call(_batch_norm_in_step)(self, input)
@@ -115,6 +117,7 @@ def _batch_norm_forward(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A00
 
 @untraced.untraced
 def _batch_norm_in_step(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
+    """`_BatchNorm.forward`, line for line, but for its F.batch_norm call in training, which goes to the mode."""
     mode = _step_mode()
     if mode is None or not self.training:  # eval: running statistics, or batch ones through the mode as usual
         return _BatchNorm.forward(self, input)
