@@ -171,12 +171,13 @@ def measure_in_child(name: str, method: str, micro: int, args: argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> None:
+    from _methods import method, schedule_of
     from _models import MODELS
-    from _steps import exact_schedules, methods, prepare
+    from _steps import prepare
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", choices=list(MODELS))
-    p.add_argument("method", help="plain, whole, or an exact schedule")
+    p.add_argument("method", help="plain, whole, a floor, or an exact schedule with its settings (recompute:c=4)")
     p.add_argument("micro", type=int, help="samples per micro-batch")
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--volume", type=int, default=32)
@@ -188,9 +189,9 @@ def main(argv: list[str] | None = None) -> None:
         keep_freed_memory()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    step = methods(exact_schedules())[args.method]
+    step = method(args.method)
     # passes runs the micro-batches' shapes only, plain's warm-up readies them at a fraction of the cost
-    warm_up = methods([])["plain"] if args.method == "passes" else step
+    warm_up = method("plain") if schedule_of(args.method) == "passes" else step
     prepared = prepare(args.model, args.size, args.volume, device)
     if prepared is None:
         sys.exit(1)

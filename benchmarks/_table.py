@@ -11,8 +11,9 @@ import statistics
 from collections.abc import Callable
 
 from _memory import Memory
+from _methods import timed_methods
 from _models import BATCH
-from _steps import COMPILED_FLOOR, COMPILED_PLAIN, compiled, timed_methods
+from _steps import COMPILED_FLOOR, COMPILED_PLAIN, compiled
 
 Column = tuple[str, Callable[["Row"], str]]
 

@@ -81,84 +81,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import sys
 import time
-from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 from _memory import Memory, keep_freed_memory, measure_in_child
+from _methods import SCHEDULES, methods, parse_schedules, schedule_of, timed_methods
 from _models import BATCH, MODELS
-from _steps import (
-    SCHEDULES,
-    NoFloor,
-    bn_calls,
-    compiled,
-    compiled_methods,
-    compiled_model,
-    compiling_apart,
-    exact_schedules,
-    first_step,
-    methods,
-    prepare,
-    timed_methods,
-)
+from _steps import bn_calls, compiled, compiled_methods, compiling_apart, prepare
 from _table import Row, Times, columns, compile_columns, line, summary_columns, table
+from _timing import time_methods
 
 DEFAULT_MODELS = ("resnet50", "efficientnet_b0", "yolov8n", "monai_unet3d", "smp_unet", "densenet121_ckpt", "study",
                   "simclr", "tiny_deep")
-
-
-def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device) -> float:
-    model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    step(model)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module, args: argparse.Namespace,
-                 device: torch.device, label: str) -> Times:
-    """Each method's time in each round and in its first, untimed step (`steps` starts with plain); a method that
-    raises is "failed" ("n/a": a floor this model has none of) and the others go on. Passes is timed in the first
-    --passes-rounds rounds only. A compiled method runs on a compiled copy of its own, compiled in its first step
-    from empty caches (`_steps.first_step`)."""
-    # the same weights; each its own running statistics
-    models = {m: compiled_model(m, copy.deepcopy(base), args.compile) for m in steps}
-    times: dict[str, list[float | None]] = {m: [] for m in steps}
-    first: dict[str, float] = {}
-    failed: dict[str, str] = {}
-
-    def attempt(m: str) -> float | None:
-        if m in failed:
-            return None
-        try:
-            return timed(models[m], steps[m], device)
-        except NoFloor as e:
-            failed[m] = "n/a"
-            print(f"note: {label} {m}: {e}", file=sys.stderr, flush=True)
-        except Exception as e:  # reported; the other methods go on
-            failed[m] = "failed"
-            print(f"note: {label} {m} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return None
-
-    for m in steps:  # warm-up, untimed: first-call costs, the kernels' caches for these shapes, compiling
-        if m != "passes":  # it runs plain's shapes, warmed up already
-            with first_step(m):
-                t = attempt(m)
-            if t is not None:
-                first[m] = t
-    order = list(steps)
-    for r in range(args.rounds):
-        # Every other round in reverse order: a method gains nothing from its place in the round.
-        for m in order if r % 2 == 0 else order[::-1]:
-            passes = m.split()[-1] == "passes"
-            times[m].append(attempt(m) if not passes or r < args.passes_rounds else None)
-    return Times({m: failed.get(m, times[m]) for m in steps}, first)
 
 
 def parse_list(p: argparse.ArgumentParser, flag: str, text: str, allowed: list, kind: type = str) -> list:
@@ -175,9 +110,12 @@ def parse_list(p: argparse.ArgumentParser, flag: str, text: str, allowed: list, 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    p.add_argument("--ks", default="4,8,16", help=f"accumulation steps, each dividing the batch of {BATCH}")
+    p.add_argument("--ks", default="4,8,16,32", help=f"accumulation steps, each dividing the batch of {BATCH}")
     p.add_argument("--schedules", default=",".join(SCHEDULES),
-                   help="exact schedules to show, of those accumnorm.backward accepts (default: all of them)")
+                   help="exact schedules to show, each with its settings, name[:key=value...], e.g. "
+                        "layerwise,recompute,family:c=2,family:c=4: each a method of its own, the settings passed "
+                        "to accumnorm.backward as keyword arguments; those it does not take are reported, not run "
+                        f"(default: {','.join(SCHEDULES)})")
     p.add_argument("--threads", default="1,2", help="torch threads of the timed runs, comma-separated")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of plain and each schedule (0: no timing)")
     p.add_argument("--passes-rounds", type=int, default=1, help="timed rounds of passes (slow on deep nets)")
@@ -198,9 +136,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.models = parse_list(p, "--models", args.models, list(MODELS))
     args.ks = parse_list(p, "--ks", args.ks, [k for k in range(1, BATCH + 1) if BATCH % k == 0], int)
-    accepted = exact_schedules()
-    asked = parse_list(p, "--schedules", args.schedules, list(SCHEDULES))
-    args.schedules = [s for s in asked if s in accepted]
+    try:
+        args.schedules, args.refused = parse_schedules(args.schedules)
+    except ValueError as e:
+        p.error(f"--schedules: {e}")
     args.threads = parse_list(p, "--threads", args.threads, [], int)
     if args.rounds < 0 or args.passes_rounds < 0 or any(t < 1 for t in [*args.threads, args.memory_threads]):
         p.error("--rounds and --passes-rounds must be >= 0, --memory-threads and each of --threads >= 1")
@@ -208,9 +147,8 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--compile: {args.compile!r} not among {', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
     if args.passes_rounds > args.rounds:
         args.passes_rounds = args.rounds
-    missing = [s for s in asked if s not in accepted]
-    if missing:
-        print(f"note: accumnorm.backward has no schedule {missing}: not shown", file=sys.stderr)
+    for name, why in args.refused.items():
+        print(f"note: schedule {name}: {why}: not shown", file=sys.stderr)
     return args
 
 
@@ -221,8 +159,9 @@ def header(args: argparse.Namespace, allocator: str) -> str:
     memory = (f"memory: a fresh process per configuration, {args.memory_threads} thread(s), peak "
               + ("resident" if args.device == "cpu" else "allocated") + " above the pre-step level"
               if args.memory else "memory: not measured")
+    refused = "".join(f"; {name}: {why}" for name, why in args.refused.items())
     return (f"batch {BATCH} at {args.size}x{args.size} (3D: {args.volume}^3), {where}; {memory}; {timing}; "
-            f"passes skipped for models of more than {args.skip_passes_over} BN calls")
+            f"passes skipped for models of more than {args.skip_passes_over} BN calls{refused}")
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> list[Row]:
@@ -233,7 +172,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
     base, batch = prepared
     case = MODELS[name]
     calls = bn_calls(base, batch, case.loss)
-    schedules = [s for s in args.schedules if s != "passes" or calls <= args.skip_passes_over]
+    schedules = [s for s in args.schedules if schedule_of(s) != "passes" or calls <= args.skip_passes_over]
     skipped = {m: f"skipped ({calls} > {args.skip_passes_over} BN)" for s in args.schedules if s not in schedules
                for m in (s, compiled(s))}
     by_name = methods(schedules)
