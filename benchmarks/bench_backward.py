@@ -85,7 +85,7 @@ import sys
 import time
 
 import torch
-from _memory import Memory, keep_freed_memory, measure_in_child
+from _memory import Memory, keep_freed_memory, measure_runs
 from _methods import SCHEDULES, methods, parse_schedules, schedule_of, timed_methods
 from _models import BATCH, MODELS
 from _steps import bn_calls, compiled, compiled_methods, compiling_apart, prepare
@@ -124,6 +124,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
                    help="measure memory in fresh processes (default: yes)")
     p.add_argument("--memory-threads", type=int, default=1, help="torch threads of the memory runs (default 1)")
+    p.add_argument("--peak-runs", type=int, default=3, metavar="N",
+                   help="fresh processes per configuration; each figure is their median (default 3)")
     p.add_argument("--size", type=int, default=64, help="input height and width of 2D models (default 64)")
     p.add_argument("--volume", type=int, default=32, help="input side of 3D models (default 32: 32^3 voxels)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -141,8 +143,9 @@ def parse_args() -> argparse.Namespace:
     except ValueError as e:
         p.error(f"--schedules: {e}")
     args.threads = parse_list(p, "--threads", args.threads, [], int)
-    if args.rounds < 0 or args.passes_rounds < 0 or any(t < 1 for t in [*args.threads, args.memory_threads]):
-        p.error("--rounds and --passes-rounds must be >= 0, --memory-threads and each of --threads >= 1")
+    if args.rounds < 0 or args.passes_rounds < 0 or any(t < 1 for t in [*args.threads, args.memory_threads,
+                                                                          args.peak_runs]):
+        p.error("--rounds and --passes-rounds must be >= 0, --memory-threads, --peak-runs and each of --threads >= 1")
     if args.compile and args.compile not in torch._dynamo.list_backends(exclude_tags=()):
         p.error(f"--compile: {args.compile!r} not among {', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
     if args.passes_rounds > args.rounds:
@@ -156,8 +159,8 @@ def header(args: argparse.Namespace, allocator: str) -> str:
     where = f"{args.device}, {allocator}"
     timing = (f"time: median of {args.rounds} interleaved rounds ({args.passes_rounds} for passes) at "
               f"{', '.join(map(str, args.threads))} threads" if args.rounds else "time: not measured")
-    memory = (f"memory: a fresh process per configuration, {args.memory_threads} thread(s), peak "
-              + ("resident" if args.device == "cpu" else "allocated") + " above the pre-step level"
+    memory = (f"memory: the median of {args.peak_runs} fresh processes per configuration, {args.memory_threads} "
+              "thread(s), peak " + ("resident" if args.device == "cpu" else "allocated") + " above the pre-step level"
               if args.memory else "memory: not measured")
     refused = "".join(f"; {name}: {why}" for name, why in args.refused.items())
     return (f"batch {BATCH} at {args.size}x{args.size} (3D: {args.volume}^3), {where}; {memory}; {timing}; "
@@ -177,14 +180,14 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
                for m in (s, compiled(s))}
     by_name = methods(schedules)
     timeout = 600.0
-    whole = measure_in_child(name, "whole", BATCH, args, timeout) if args.memory else "-"
+    whole = measure_runs(name, ["whole"], BATCH, args, timeout)["whole"] if args.memory else "-"
     rows = []
     for k in args.ks:
         micro, label = BATCH // k, f"{name} {k}x{BATCH // k}"
         shown = ["plain", *schedules]
         memory: dict[str, Memory | str] = {"whole": whole, **skipped}
         if args.memory:
-            memory.update({m: measure_in_child(name, m, micro, args, timeout) for m in shown})
+            memory.update(measure_runs(name, shown, micro, args, timeout))
         timing: dict[int, Times] = {}
         names = timed_methods(schedules) + (compiled_methods(schedules) if args.compile else [])
         steps = {m: (lambda model, m=m, micro=micro: by_name[m](model, batch, micro, case)) for m in names}
