@@ -96,6 +96,19 @@ class Row:
         return " / ".join(mib(getattr(v, field)) if isinstance(v := self.memory.get(m, "-"), Memory) else v
                           for m in methods)
 
+    def to_json(self) -> dict:
+        """Every figure of the row, in JSON's types: bytes, seconds, and the words of those not measured."""
+        return {"model": self.name, "bn_calls": self.calls, "k": self.k, "micro": BATCH // self.k,
+                "memory": {m: v if isinstance(v, str) else v._asdict() for m, v in self.memory.items()},
+                "timing": {str(t): {"rounds": times.rounds, "first": times.first} for t, times in self.timing.items()}}
+
+    @classmethod
+    def from_json(cls, row: dict) -> Row:
+        memory = {m: v if isinstance(v, str) else Memory(v["peak"], v["saved"], v["moved"], tuple(v["peaks"]))
+                  for m, v in row["memory"].items()}
+        timing = {int(t): Times(times["rounds"], times["first"]) for t, times in row["timing"].items()}
+        return cls(row["model"], row["bn_calls"], row["k"], memory, timing)
+
 
 def _first(cols: list[Column]) -> list[Column]:
     return [("model", lambda r: r.name), ("BN", lambda r: str(r.calls)),

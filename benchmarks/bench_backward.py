@@ -88,6 +88,7 @@ import torch
 from _memory import Memory, keep_freed_memory, measure_runs
 from _methods import SCHEDULES, methods, parse_schedules, schedule_of, timed_methods
 from _models import BATCH, MODELS
+from _plot import dump, frontiers, require_matplotlib
 from _steps import bn_calls, compiled, compiled_methods, compiling_apart, prepare
 from _table import Row, Times, columns, compile_columns, line, summary_columns, table
 from _timing import time_methods
@@ -133,6 +134,10 @@ def parse_args() -> argparse.Namespace:
                    help="also time plain accumulation, the compiled floor and each schedule on models compiled with "
                         "torch.compile(backend=BACKEND), e.g. inductor or aot_eager: the compile table (see above)")
     p.add_argument("--markdown", action="store_true", help="print the table in markdown, to paste into a page")
+    p.add_argument("--json", metavar="FILE", help="write every figure to FILE (rewritten after each model), from "
+                                                  "which `python benchmarks/_plot.py FILE DIR` redraws the pictures")
+    p.add_argument("--plot", metavar="DIR", help="draw each K's frontier, peak against time as ratios to plain's, one "
+                                                 "panel per model, to DIR/frontier-K<k>.png and .svg (matplotlib)")
     p.add_argument("--allocator", choices=("keep", "glibc"), default="keep",
                    help="keep: glibc keeps freed memory for reuse (default); glibc: its defaults (see above)")
     args = p.parse_args()
@@ -146,6 +151,10 @@ def parse_args() -> argparse.Namespace:
     if args.rounds < 0 or args.passes_rounds < 0 or any(t < 1 for t in [*args.threads, args.memory_threads,
                                                                           args.peak_runs]):
         p.error("--rounds and --passes-rounds must be >= 0, --memory-threads, --peak-runs and each of --threads >= 1")
+    if args.plot:
+        if not (args.memory and args.rounds and args.threads):
+            p.error("--plot draws peak against time: it needs both measured (--memory, --rounds >= 1)")
+        require_matplotlib(p.error)
     if args.compile and args.compile not in torch._dynamo.list_backends(exclude_tags=()):
         p.error(f"--compile: {args.compile!r} not among {', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
     if args.passes_rounds > args.rounds:
@@ -220,6 +229,8 @@ def main() -> None:
         for row in done:
             print(line([cell(row) for _, cell in cols], args.markdown), flush=True)
         rows += done
+        if args.json:
+            dump(args.json, header(args, allocator), args.schedules, rows)
     k = args.ks[len(args.ks) // 2]
     print(f"\nSummary at K = {k}: peak and time as ratios to plain accumulation's\n")
     print(*table(summary_columns(args.schedules, threads), [r for r in rows if r.k == k], args.markdown), sep="\n")
@@ -228,6 +239,8 @@ def main() -> None:
               f"accumulation's, c.<schedule>/floor to the compiled floor's; each compiled method's first step "
               f"(compiling, from empty caches) in seconds\n")
         print(*table(compile_columns(args.schedules, threads), rows, args.markdown), sep="\n")
+    if args.plot:
+        print(*(f"wrote {path}" for path in frontiers(rows, args.schedules, args.plot)), sep="\n")
     print(f"\n{time.perf_counter() - start:.0f} s in all")
 
 
