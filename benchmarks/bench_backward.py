@@ -9,11 +9,19 @@ optimizer step's gradient is made each of these ways:
   lockstep   beside layerwise, time only: the same lockstep of torch's BatchNorm layers and nothing else of
              accumnorm's (no checks, state swaps, random streams or transaction): the floor under layerwise's time;
              "n/a" for a model it cannot run (other BatchNorm classes, BatchNorm in checkpointed regions)
-  recompute  accumnorm.backward(schedule="recompute"), shown wherever accumnorm.backward accepts that name
+  recompute  accumnorm.backward(schedule="recompute")
   checkpointed  beside recompute, time only: plain accumulation with the regions recompute would choose each in
              torch's checkpoint(use_reentrant=False), nothing else of accumnorm's: the floor under recompute's time
   passes     accumnorm.backward(schedule="passes"): 2L + 1 passes for L BN calls; skipped, saying so, for
              models of more than --skip-passes-over BN calls, where it takes tens of plain steps
+
+--schedules lists the exact schedules, each with its settings if any, name[:key=value[:key=value...]]:
+"layerwise,recompute,family:c=2,family:c=4" shows four, each a method of its own (a column of the tables, a point
+of the pictures), the settings passed to accumnorm.backward as keyword arguments (c=2; values read as Python
+literals, else as text: store=cpu). Each is first asked of accumnorm.backward with one step of a small net; one
+it does not take (a schedule or a setting this accumnorm lacks, a value it refuses) is not run, and the header
+says why ("family:c=2: not available in this accumnorm"). A schedule's floor is timed beside it where a floor
+takes its settings (benchmarks/_methods.py; lockstep and checkpointed take none).
 
 and with --compile BACKEND, time only, each on its own copy of the model compiled with
 torch.compile(model, backend=BACKEND), in the same rounds as the others:
@@ -27,9 +35,10 @@ torch.compile(model, backend=BACKEND), in the same rounds as the others:
 
 The full table gives, each figure beside its ratio to plain's:
 
-  peak MiB   the step's peak memory above the level before it, each configuration in a fresh process with
-             glibc's heap trimmed first (benchmarks/_memory.py: on a CPU the peak resident memory, on CUDA
-             torch.cuda.max_memory_allocated), at --memory-threads threads
+  peak MiB   the step's peak memory above the level before it, the median of --peak-runs fresh processes per
+             configuration (3 by default; one run of each method in turn), each with glibc's heap trimmed first
+             (benchmarks/_memory.py: on a CPU the peak resident memory, on CUDA torch.cuda.max_memory_allocated),
+             at --memory-threads threads; saved and host MiB are the runs' medians too
   time       each schedule's time over plain's at each of --threads: rounds interleaved so that machine noise
              hits all alike, every other round in reverse order, the ratio the median over rounds of the
              round's time over plain's (the machine's speed drifts; a ratio within one round cancels it)
@@ -45,6 +54,12 @@ rounds, each from empty caches (a fresh inductor cache directory) so that no met
 Dynamo is reset before each model, K and thread count: every compiled method compiles for those shapes alone,
 and its recompile limit, which counts the graphs of a code object that the compiled copies share, is multiplied
 by their number, so that each compiles all it would alone.
+
+--json FILE writes every figure (bytes, each run's peak, every round's seconds at every thread count, the words
+of what was not measured) to FILE as JSON, rewritten after each model. --plot DIR draws, for each K, the
+memory-time frontier: a panel per model, each schedule's peak against its time as ratios to plain's (time at the
+first of --threads), to DIR/frontier-K<k>.png and .svg (matplotlib, checked before the run starts);
+`python benchmarks/_plot.py FILE DIR` redraws them from a --json dump (benchmarks/_plot.py says what they show).
 
 "BN" is the number of training-mode F.batch_norm calls one forward makes (L above). The models
 (benchmarks/_models.py, each with its own batch and loss, all from their configs, no weights): the study's
@@ -65,16 +80,20 @@ recommends, do: by default glibc hands large freed blocks back to the OS and the
 again, thousands of page faults per step or none depending on the heap's history, not on the method
 measured. `--allocator glibc` measures with glibc's defaults.
 
-    python benchmarks/bench_backward.py --markdown    # the full table: 9 models x K = 4, 8, 16, 1 and 2 threads
+    python benchmarks/bench_backward.py --markdown    # the full table: 9 models x K = 4, 8, 16, 32, 1 and 2 threads
     python benchmarks/bench_backward.py --models study,simclr --ks 4 --rounds 1 --size 32
     python benchmarks/bench_backward.py --models resnet50 --no-memory --threads 2 --schedules layerwise
     python benchmarks/bench_backward.py --compile inductor --models study,resnet50 --ks 4,8 --no-memory --threads 1
+    python benchmarks/bench_backward.py --models tiny_deep,study --ks 16,32 --rounds 1 --json r.json --plot pictures
+    python benchmarks/bench_backward.py --schedules recompute,passes,family:c=2,family:c=4 --ks 8,32 --plot pictures
 
-The full default run makes 99 fresh processes (72 while accumnorm.backward has no "recompute") and times
-3 rounds of each configuration after a warm-up: about 16 minutes on a quiet 2-core CPU (13 without
-recompute), an estimate from the single-step times of the README's previous table, which the run checks by
-printing its own total at the end. `--rounds 2` or `--memory-threads 2` shorten it. Timings taken on a loaded
-machine are noise; the memory figures are not. --compile adds the compiling first steps, three per model, K and
+The full default run measures 129 configurations' memory in 3 fresh processes each (387 processes) and times
+3 rounds of each configuration after a warm-up, at K = 4, 8, 16 and 32. Its length has not been measured: the
+run with one process per configuration and K up to 16 (99 processes) was estimated at 16 minutes on a quiet 2-core
+CPU; this one runs three times the processes, and K = 32's steps are the longest (32 micro-batches; passes runs
+2L + 1 passes over each): expect hours. The run prints its own total at the end. `--peak-runs 1`, `--ks 4,8,16`,
+`--rounds 2` or `--memory-threads 2` shorten it. Timings taken on a loaded machine are noise; the memory figures
+are not. --compile adds the compiling first steps, three per model, K and
 thread count (more with more schedules): with inductor on a CPU, minutes each for a deep net.
 """
 from __future__ import annotations
@@ -111,7 +130,8 @@ def parse_list(p: argparse.ArgumentParser, flag: str, text: str, allowed: list, 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
-    p.add_argument("--ks", default="4,8,16,32", help=f"accumulation steps, each dividing the batch of {BATCH}")
+    p.add_argument("--ks", default="4,8,16,32",
+                   help=f"accumulation steps, each dividing the batch of {BATCH} (default 4,8,16,32)")
     p.add_argument("--schedules", default=",".join(SCHEDULES),
                    help="exact schedules to show, each with its settings, name[:key=value...], e.g. "
                         "layerwise,recompute,family:c=2,family:c=4: each a method of its own, the settings passed "
