@@ -1,8 +1,9 @@
 """bench_backward.py's timing: each method's step timed in interleaved rounds, in this process.
 
 Every method runs on its own copy of the model (the same weights, each its own running statistics), first once
-untimed (first-call costs, the kernels' caches for these shapes, a compiled model's compiling), then once per round,
-every other round in reverse order, so that the machine's drift and a method's place in the round hit all alike.
+untimed (first-call costs, the kernels' caches for these shapes, a compiled model's compiling; not eager passes,
+which runs plain's shapes), then once per round, every other round in reverse order, so that the machine's drift
+and a method's place in the round hit all alike.
 """
 from __future__ import annotations
 
