@@ -131,14 +131,17 @@ def _panel(ax: Any, row: Row, groups: dict[str, list[str]], styles: dict[str, tu
     ax.grid(True, which="both", linewidth=0.3)
 
 
-# Round ratios from 0.1x to 800x, for the ticks of log axes that may span a tenth of a decade or several.
-_ROUND = [m * 10**e for e in range(-1, 3) for m in (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8)]
+# Round ratios per decade, finest first: the ticks of log axes that may span a tenth of a decade or several.
+_ROUND = ((1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 8), (1, 1.5, 2, 3, 5, 7), (1, 2, 5), (1,))
 
 
 def _ticks(low: float, high: float, most: int = 7) -> list[float]:
-    """Round ratios between `low` and `high`, every n-th of them so that there are `most` at most."""
-    inside = [v for v in _ROUND if low <= v <= high]
-    return inside[:: max(1, math.ceil(len(inside) / most))]
+    """The finest of the round ratios between `low` and `high` of which there are `most` at most."""
+    for per_decade in _ROUND:
+        inside = [v for e in range(-2, 4) for m in per_decade if low <= (v := round(m * 10.0**e, 3)) <= high]
+        if len(inside) <= most:
+            return inside
+    return inside
 
 
 def main(argv: list[str] | None = None) -> None:

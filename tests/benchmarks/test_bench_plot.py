@@ -72,3 +72,9 @@ def test_without_matplotlib_the_run_is_refused_before_it_starts(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     with pytest.raises(SystemExit, match="--plot needs matplotlib"):
         _plot.require_matplotlib(lambda message: sys.exit(message))
+
+
+def test_an_axis_has_round_ratios_for_ticks_as_fine_as_fit():
+    assert _plot._ticks(0.9, 3.2) == [1, 1.25, 1.5, 2, 2.5, 3]
+    assert _plot._ticks(0.6, 9) == [0.7, 1, 1.5, 2, 3, 5, 7]
+    assert _plot._ticks(0.5, 90) == [0.5, 1, 2, 5, 10, 20, 50]
