@@ -93,8 +93,8 @@ run with one process per configuration and K up to 16 (99 processes) was estimat
 CPU; this one runs three times the processes, and K = 32's steps are the longest (32 micro-batches; passes runs
 2L + 1 passes over each): expect hours. The run prints its own total at the end. `--peak-runs 1`, `--ks 4,8,16`,
 `--rounds 2` or `--memory-threads 2` shorten it. Timings taken on a loaded machine are noise; the memory figures
-are not. --compile adds the compiling first steps, three per model, K and
-thread count (more with more schedules): with inductor on a CPU, minutes each for a deep net.
+are not. --compile adds the compiling first steps, three per model, K and thread count (more with more
+schedules): with inductor on a CPU, minutes each for a deep net.
 """
 from __future__ import annotations
 
