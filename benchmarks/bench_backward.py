@@ -68,10 +68,12 @@ ultralytics' YOLOv8n (its raw maps, mean squares), MONAI's 3D UNet (digits extru
 cross-entropy), segmentation_models_pytorch's Unet on resnet18 (per-pixel cross-entropy), torchvision's
 densenet121 with its BatchNorms inside activation checkpointing, and the SimCLR study's encoder and projection
 head on two views of each digit, with NT-Xent over the whole batch (exact: accumnorm.backward's whole-batch form;
-plain: each micro-batch's own NT-Xent, as plain accumulation takes it), and tiny_deep, 48 blocks of 8-channel
-conv-BatchNorm-ReLU on 8x8 digits, where kernels cost nothing and a step is all host work (the regime of a GPU
-with a small micro-batch: what a schedule's own Python costs per call); resnet18, mobilenet_v3_small and a model
-torch.fx cannot trace ("dynamic") on request. A model whose library is not installed is skipped with a note; a
+plain: each micro-batch's own NT-Xent, as plain accumulation takes it; at K = 32 a micro-batch's views have one
+candidate each, their own other view, so plain's loss is 0 and its gradient zero: the cost of plain's
+operations, not a useful step), and tiny_deep, 48 blocks of 8-channel conv-BatchNorm-ReLU on 8x8 digits, where
+kernels cost nothing and a step is all host work (the regime of a GPU with a small micro-batch: what a schedule's
+own Python costs per call); resnet18, mobilenet_v3_small and a model torch.fx cannot trace ("dynamic") on
+request. A model whose library is not installed is skipped with a note; a
 method that fails shows "failed" and the error goes to stderr.
 
 On a CPU with glibc, the processes keep the memory they free for reuse (`--allocator keep`, the default), as
