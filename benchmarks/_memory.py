@@ -15,6 +15,10 @@ reports three figures (`Memory`):
   moved  the bytes a host store would move in the step: every saved tensor but the weights (parameters and
          leaves that require grad, which a store keeps by reference) copied to the host and back
 
+bench_backward.py measures each configuration in --peak-runs fresh processes, one run of each method in turn
+(`measure_runs`), and shows each figure's median: a process's peak resident memory moves by 10-30 MiB between runs
+of one configuration (docs/cost.md), with the heap's history, not with the method.
+
     python benchmarks/_memory.py resnet50 layerwise 8 --size 64 --threads 1    # one line of JSON
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ import gc
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -39,6 +44,7 @@ class Memory(NamedTuple):
     peak: int  # bytes
     saved: int
     moved: int
+    peaks: tuple[int, ...] = ()  # each fresh process's peak, where `peak` is their median
 
 
 def keep_freed_memory() -> str:
@@ -170,13 +176,36 @@ def measure_in_child(name: str, method: str, micro: int, args: argparse.Namespac
     return Memory(**json.loads(lines[-1]))
 
 
+def median_memory(runs: list[Memory | str]) -> Memory | str:
+    """Each figure's median over the runs of one configuration (the lower middle one of an even number: a figure one
+    run measured), each run's peak kept beside it; "failed" if a run failed (a crash is no noise to take a median
+    of)."""
+    if any(isinstance(r, str) for r in runs):
+        return "failed"
+    return Memory(*(statistics.median_low(figures) for figures in list(zip(*runs))[:3]), tuple(r.peak for r in runs))
+
+
+def measure_runs(name: str, methods: list[str], micro: int, args: argparse.Namespace, timeout: float,
+                 measure: Callable[..., Memory | str] = measure_in_child) -> dict[str, Memory | str]:
+    """Each method's memory on model `name` at micro-batch `micro` in --peak-runs fresh processes each, the methods
+    interleaved run by run so that what drifts over the runs (the machine's other jobs, the page cache) hits all
+    alike, and the median of each figure (`median_memory`). A method stops at its first failed run."""
+    runs: dict[str, list[Memory | str]] = {m: [] for m in methods}
+    for _ in range(args.peak_runs):
+        for m in methods:
+            if "failed" not in runs[m]:
+                runs[m].append(measure(name, m, micro, args, timeout))
+    return {m: median_memory(r) for m, r in runs.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
+    from _methods import method, schedule_of
     from _models import MODELS
-    from _steps import exact_schedules, methods, prepare
+    from _steps import prepare
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", choices=list(MODELS))
-    p.add_argument("method", help="plain, whole, or an exact schedule")
+    p.add_argument("method", help="plain, whole, a floor, or an exact schedule with its settings (recompute:c=4)")
     p.add_argument("micro", type=int, help="samples per micro-batch")
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--volume", type=int, default=32)
@@ -188,9 +217,9 @@ def main(argv: list[str] | None = None) -> None:
         keep_freed_memory()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    step = methods(exact_schedules())[args.method]
+    step = method(args.method)
     # passes runs the micro-batches' shapes only, plain's warm-up readies them at a fraction of the cost
-    warm_up = methods([])["plain"] if args.method == "passes" else step
+    warm_up = method("plain") if schedule_of(args.method) == "passes" else step
     prepared = prepare(args.model, args.size, args.volume, device)
     if prepared is None:
         sys.exit(1)

@@ -1,10 +1,10 @@
 """One optimizer step's gradient, made each way bench_backward.py compares, and the models prepared for it.
 
 A method is `step(model, batch, micro, case)`: it accumulates into `.grad` the gradient of `case`'s loss over
-`batch`, `micro` samples at a time. Plain accumulation is the usual loop; the others are `accumnorm.backward`'s
-exact schedules, each one that this accumnorm accepts (`exact_schedules`: asked, not assumed), and two floors:
-beside layerwise, its lockstep with nothing else (`lockstep_step`); beside recompute, plain accumulation with
-recompute's regions checkpointed (`checkpointed_step`).
+`batch`, `micro` samples at a time. Here: plain accumulation, the usual loop, the whole batch at once, and two
+floors: beside layerwise, its lockstep with nothing else (`lockstep_step`); beside recompute, plain accumulation
+with recompute's regions checkpointed (`checkpointed_step`). _methods.py names them, with `accumnorm.backward`'s
+exact schedules and their settings.
 
 With --compile, the same steps run on torch.compile'd copies of the model (`compiled_model`): plain accumulation
 ("compiled plain", BatchNorm fused in the graph), each exact schedule ("compiled layerwise", ...), and the compiled
@@ -27,13 +27,7 @@ import torch.nn.functional as F
 from _models import MODELS, Batch, Case
 from torch.overrides import TorchFunctionMode
 
-import accumnorm
-
 Method = Callable[[nn.Module, Batch, int, Case], None]
-
-# The exact schedules a table can show, in its order; "recompute" where accumnorm.backward has it.
-SCHEDULES = ("layerwise", "recompute", "passes")
-
 
 def split(batch: Batch, micro: int) -> list[Batch]:
     """The micro-batches of a tensor or a tuple/list of tensors, micro samples each (the last may be smaller)."""
@@ -137,50 +131,6 @@ def _concatenated(outputs: list[Any]) -> Any:
     if isinstance(outputs[0], torch.Tensor):
         return torch.cat(outputs)
     return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs))
-
-
-def schedule_step(schedule: str) -> Method:
-    def step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
-        if case.batch_loss is None:
-            accumnorm.backward(model, batch, case.loss, micro_batch_size=micro, schedule=schedule)
-        else:  # the loss once over the whole batch's outputs
-            accumnorm.backward(model, batch, micro_batch_size=micro, schedule=schedule, forward_fn=case.forward,
-                               batch_loss_fn=case.batch_loss)
-    return step
-
-
-def accepts(schedule: str) -> bool:
-    """Whether accumnorm.backward takes `schedule`: one step of a two-layer net, asked directly."""
-    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
-    try:
-        accumnorm.backward(net, torch.randn(4, 3), lambda m, x: m(x).square().mean(), micro_batch_size=2,
-                           schedule=schedule)
-    except ValueError as e:
-        if str(e).startswith("schedule must be"):  # the argument check's refusal of a name it does not know
-            return False
-        raise
-    return True
-
-
-def exact_schedules() -> list[str]:
-    return [s for s in SCHEDULES if accepts(s)]
-
-
-_FLOORS = {"layerwise": "lockstep", "recompute": "checkpointed"}  # a schedule's floor, timed after it
-
-
-def timed_methods(schedules: list[str]) -> list[str]:
-    """The methods timed, in the table's order: plain, and each schedule followed by its floor where it has one."""
-    return ["plain", *(m for s in schedules for m in ((s, _FLOORS[s]) if s in _FLOORS else (s,)))]
-
-
-def methods(schedules: list[str]) -> dict[str, Method]:
-    """Every method by name: plain, the whole batch, the exact schedules given, the floors, and each of these
-    that runs on a compiled model (`compiled_methods`)."""
-    eager = {"plain": plain_step, "whole": whole_step, "lockstep": lockstep_step, "checkpointed": checkpointed_step,
-             **{s: schedule_step(s) for s in schedules}}
-    return {**eager, COMPILED_PLAIN: plain_step, COMPILED_FLOOR: plain_step,
-            **{compiled(s): eager[s] for s in schedules}}
 
 
 COMPILED_PLAIN, COMPILED_FLOOR = "compiled plain", "compiled floor"

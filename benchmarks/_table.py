@@ -11,8 +11,9 @@ import statistics
 from collections.abc import Callable
 
 from _memory import Memory
+from _methods import timed_methods
 from _models import BATCH
-from _steps import COMPILED_FLOOR, COMPILED_PLAIN, compiled, timed_methods
+from _steps import COMPILED_FLOOR, COMPILED_PLAIN, compiled
 
 Column = tuple[str, Callable[["Row"], str]]
 
@@ -94,6 +95,19 @@ class Row:
     def figures(self, methods: list[str], field: str) -> str:
         return " / ".join(mib(getattr(v, field)) if isinstance(v := self.memory.get(m, "-"), Memory) else v
                           for m in methods)
+
+    def to_json(self) -> dict:
+        """Every figure of the row, in JSON's types: bytes, seconds, and the words of those not measured."""
+        return {"model": self.name, "bn_calls": self.calls, "k": self.k, "micro": BATCH // self.k,
+                "memory": {m: v if isinstance(v, str) else v._asdict() for m, v in self.memory.items()},
+                "timing": {str(t): {"rounds": times.rounds, "first": times.first} for t, times in self.timing.items()}}
+
+    @classmethod
+    def from_json(cls, row: dict) -> Row:
+        memory = {m: v if isinstance(v, str) else Memory(v["peak"], v["saved"], v["moved"], tuple(v["peaks"]))
+                  for m, v in row["memory"].items()}
+        timing = {int(t): Times(times["rounds"], times["first"]) for t, times in row["timing"].items()}
+        return cls(row["model"], row["bn_calls"], row["k"], memory, timing)
 
 
 def _first(cols: list[Column]) -> list[Column]:

@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _steps import accepts
+from _methods import refusal
 
 import accumnorm
 
@@ -368,7 +368,7 @@ def check_cost(device: torch.device) -> list[Row]:
     backwards = {"plain (bn='micro')": accumulated(micro_batch_size=b, bn="micro"),
                  "layerwise, store=None (pinned host)": accumulated(micro_batch_size=b, schedule="layerwise"),
                  "layerwise, store='cuda'": accumulated(micro_batch_size=b, schedule="layerwise", store="cuda")}
-    if accepts("recompute"):
+    if refusal("recompute") is None:
         backwards["recompute"] = accumulated(micro_batch_size=b, schedule="recompute")
     backwards[f"whole batch of {b * k} in torch"] = whole_batch
     runs = Interleaved(name, {case: lambda model, f=f: f(model, batch, None) for case, f in backwards.items()},

@@ -1,5 +1,6 @@
 """benchmarks/_memory.py, the memory figures of bench_backward.py: a step's peak resident memory above the level
 before it (whatever came before), and its saved and host-moved bytes, on steps whose figures are known."""
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,32 @@ def test_the_benchmark_table_shows_layerwise_holding_what_the_whole_batch_saves(
     assert layerwise == whole > 2 * plain
     assert float(cells["whole peak MiB"].split()[0]) > float(cells["plain peak MiB"])
     assert cells["K x b"] == "4x8" and cells["BN"] == "4"
+
+
+def test_each_figure_is_the_median_of_the_fresh_processes_runs_the_methods_interleaved():
+    peaks = {"plain": iter([30, 10, 20]), "layerwise": iter([5, 50, 40])}
+    calls = []
+
+    def stub(name, method, micro, args, timeout):
+        calls.append(method)
+        return _memory.Memory(next(peaks[method]), 7, 14)
+
+    args = argparse.Namespace(peak_runs=3)
+    got = _memory.measure_runs("study", ["plain", "layerwise"], 4, args, 60.0, measure=stub)
+    assert got == {"plain": _memory.Memory(20, 7, 14, (30, 10, 20)),
+                   "layerwise": _memory.Memory(40, 7, 14, (5, 50, 40))}
+    assert calls == ["plain", "layerwise"] * 3  # run by run, not method by method
+
+
+def test_a_median_is_a_figure_one_run_measured_and_a_failed_run_fails_the_configuration():
+    assert _memory.median_memory([_memory.Memory(10, 1, 2), _memory.Memory(30, 1, 2)]) == _memory.Memory(
+        10, 1, 2, (10, 30))
+    calls = []
+
+    def fails(name, method, micro, args, timeout):
+        calls.append(method)
+        return "failed"
+
+    args = argparse.Namespace(peak_runs=3)
+    assert _memory.measure_runs("study", ["passes"], 1, args, 60.0, measure=fails) == {"passes": "failed"}
+    assert calls == ["passes"]  # no run after a failed one

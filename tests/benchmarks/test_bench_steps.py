@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+import _methods  # noqa: E402
 import _steps  # noqa: E402
 from _models import MODELS  # noqa: E402
 
@@ -80,9 +81,9 @@ def test_the_lockstep_floor_refuses_batch_norm_in_a_checkpointed_region_and_leav
 
 
 def test_the_table_times_each_floor_beside_its_schedule():
-    assert _steps.timed_methods(["layerwise", "recompute", "passes"]) == [
+    assert _methods.timed_methods(["layerwise", "recompute", "passes"]) == [
         "plain", "layerwise", "lockstep", "recompute", "checkpointed", "passes"]
-    assert _steps.timed_methods(["recompute", "passes"]) == ["plain", "recompute", "checkpointed", "passes"]
+    assert _methods.timed_methods(["recompute", "passes"]) == ["plain", "recompute", "checkpointed", "passes"]
 
 
 class ConvNet(torch.nn.Module):
@@ -114,7 +115,7 @@ def test_the_compiled_floor_breaks_its_graph_where_exact_mode_does_and_makes_pla
         counter = CompileCounter()
         with _steps.compiling_apart(3):
             model = _steps.compiled_model(method, copy.deepcopy(base), counter)
-            _steps.methods(["layerwise"])[method](model, batch, 4, case)
+            _methods.methods(["layerwise"])[method](model, batch, 4, case)
         graphs[method] = counter.frame_count
         if method == _steps.COMPILED_FLOOR:
             for a, b in zip(eager.parameters(), model.parameters(), strict=True):
