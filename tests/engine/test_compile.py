@@ -322,6 +322,77 @@ def test_a_compile_error_inside_a_step_rolls_it_back_and_reaches_the_caller_as_d
     assert all(p.grad is None for p in net.parameters())
 
 
+class CountingBatchNorm(nn.BatchNorm2d):
+    """timm's BatchNormAct2d's way: a forward of its own, its F.batch_norm call, num_batches_tracked counted."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        return F.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True,
+                                   self.momentum, self.eps))
+
+
+class BareBatchNorm(nn.Module):
+    """No BatchNorm layer at all: an F.batch_norm call with batch statistics and no running statistics."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.rand(c) + 0.5), nn.Parameter(torch.randn(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, None, None, self.weight, self.bias, True)
+
+
+NORMS = {"BatchNorm2d": lambda c: nn.BatchNorm2d(c), "without running statistics":
+         lambda c: nn.BatchNorm2d(c, track_running_stats=False), "subclass": CountingBatchNorm, "bare": BareBatchNorm}
+
+
+class CheckpointedNorm(nn.Module):
+    """A norm inside the user's own checkpoint(use_reentrant=False), which dynamo traces as a higher-order op."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(6, 6, 3, padding=1), NORMS[norm](6), nn.Tanh())
+        self.fc = nn.Linear(6 * 6 * 6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, self.stem(x), use_reentrant=False)
+        return self.fc(h.flatten(1))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes"])
+def test_a_norm_in_the_users_checkpoint_inside_a_compiled_model_trains_like_whole_batch_eager_torch(norm, schedule):
+    # Dynamo traced the checkpoint's body without the step's mode and fused its norm with one micro-batch's
+    # statistics: wrong gradients, or autograd's in-place error at the backward.
+    torch.manual_seed(0)
+    net = CheckpointedNorm(norm).double()
+    oracle = copy.deepcopy(net)
+    data = batches()
+    train_eager_whole_batch(oracle, data)
+    original = torch.utils.checkpoint.checkpoint
+    train_accumnorm(torch.compile(net, backend="aot_eager"), net.parameters(), data, ce, schedule=schedule)
+    # Parameters only: torch's recomputation in the oracle's backward moves the running statistics a second time.
+    assert_state_close(dict(net.named_parameters()), dict(oracle.named_parameters()), 1e-10)
+    assert torch.utils.checkpoint.checkpoint is original
+
+
+def test_torchs_checkpoint_function_is_back_after_a_step_that_fails():
+    torch.manual_seed(0)
+    net = CheckpointedNorm("BatchNorm2d").double()
+    x, y = batches()[0]
+    original = torch.utils.checkpoint.checkpoint
+
+    def loss_fn(m, batch):
+        assert torch.utils.checkpoint.checkpoint is not original  # dynamo must not know it during the step
+        raise RuntimeError("the forward fails")
+
+    with pytest.raises(RuntimeError, match="the forward fails"):
+        accumnorm.backward(torch.compile(net, backend="aot_eager"), (x, y), loss_fn, micro_batch_size=MICRO)
+    assert torch.utils.checkpoint.checkpoint is original
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_no_dynamo_state_leaks_out_of_a_step(fails, schedule_any):
     torch.manual_seed(0)

@@ -202,6 +202,14 @@ def _room_for_the_steps_frames() -> Iterator[None]:
                 sys.setrecursionlimit(_deeper[1])
 
 
+@contextmanager
+def _exact_forwards(modules: list[nn.Module]) -> Iterator[None]:
+    """For an exact step's length: the step forwards of torch's layers, and checkpoint calls that compiled code runs
+    uncompiled (`untraced`)."""
+    with step_forwards(modules), untraced.checkpoint_calls_untraced():
+        yield
+
+
 def _transaction(call: StepCall, names: dict[nn.Module, str],
                  run: Callable[[Callable[[], Step], Callable[[Step], None]], Step]) -> Tensor:
     """Run the step (`run(new_step, start_over)`); commit its gradients and running statistics, or, whatever ends it
@@ -233,7 +241,7 @@ def _transaction(call: StepCall, names: dict[nn.Module, str],
             transaction.begin()
             step.rng.rewind()
 
-        with step_forwards(transaction.modules) if call.exact else nullcontext():
+        with _exact_forwards(transaction.modules) if call.exact else nullcontext():
             step = run(new_step, start_over)
         loss = step.losses.result()
         call.collectives.sum_grads_(transaction.params)

@@ -11,12 +11,14 @@ come from torch's own layers, whose code is known, so for the length of a step:
   directly, as F.batch_norm would have through it;
 - SyncBatchNorm (and its subclasses) runs as plain BatchNorm, the same way: under an initialized process
   group its own collective kernel would neither see the other micro-batches nor run on CPU; the schedule
-  reduces over micro-batches and ranks.
+  reduces over micro-batches and ranks;
+- other subclasses of torch's BatchNorm (timm's BatchNormAct2d) run their own forward under the mode, untraced
+  when compiled, for the reason `_batch_norm_forward` gives.
 
 Each forward is a method of the layer's own, bound to it (a deep copy of the layer binds it to the copy),
 and checks that the step's mode is the innermost one; if not (a mode of the user's above it, or no step),
-the class's forward runs as it would have. Layers of any other class, subclasses included, run under the
-mode; a layer that already has a forward of its own (a library's wrapper) keeps it.
+the class's forward runs as it would have. Layers of any other class run under the mode; a layer that already
+has a forward of its own (a library's wrapper) keeps it.
 """
 from __future__ import annotations
 
@@ -68,6 +70,8 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
             attributes["forward"] = types.MethodType(_plain_forward, m)
         elif type(m) in _BATCH_NORM_LAYERS or isinstance(m, nn.SyncBatchNorm):
             attributes["forward"] = types.MethodType(_batch_norm_forward, m)
+        elif isinstance(m, _BatchNorm):
+            attributes["forward"] = types.MethodType(_batch_norm_subclass_forward, m)
         else:
             continue
         changed.append(m)
@@ -108,11 +112,32 @@ def _convolution(mode: NormCalls, layer: nn.Module, forward: Any, args: tuple, k
 
 @untraced.skip_frames
 def _batch_norm_forward(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A002 - torch's name
-    """A BatchNorm layer's forward in a step: traced by dynamo as the class's (its call reaches the mode), else run
-    untraced (`_batch_norm_in_step`)."""
-    if torch.compiler.is_compiling():  # dynamo traces through the mode (`untraced`)
+    """A BatchNorm layer's forward in a step: untraced (`_batch_norm_in_step`), so that a compiled forward breaks its
+    graph at the layer's call; in eval with running statistics, which needs no meeting, traced as the class's.
+
+    Why not trace the class's forward, whose F.batch_norm call reaches the mode's untraced handler: dynamo traces
+    the body of a `checkpoint(use_reentrant=False)` call as a higher-order op, without the step's mode, and would
+    fuse a batch-statistics call there into the graph. A call of an untraced function cannot be traced into such a
+    body: dynamo runs the whole checkpoint call uncompiled instead, where the step sees the call."""
+    if torch.compiler.is_compiling() and not self.training and self.running_mean is not None:
         return _BatchNorm.forward(self, input)
     return untraced.call(_batch_norm_in_step)(self, input)
+
+
+@untraced.skip_frames
+def _batch_norm_subclass_forward(self: _BatchNorm, *args: Any, **kwargs: Any) -> Any:
+    """A BatchNorm subclass's own forward in a step: as it is, its calls reaching the mode; compiled, untraced like
+    `_batch_norm_forward` (but in eval with running statistics)."""
+    forward = type(self).forward
+    if torch.compiler.is_compiling() and (self.training or self.running_mean is None):
+        return untraced.call(_subclass_in_step)(forward, self, args, kwargs)
+    return forward(self, *args, **kwargs)
+
+
+@untraced.untraced
+def _subclass_in_step(forward: Any, layer: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """A BatchNorm subclass's forward, which dynamo never traces: its BatchNorm call meets under the step's mode."""
+    return forward(layer, *args, **kwargs)
 
 
 @untraced.untraced

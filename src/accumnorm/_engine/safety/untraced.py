@@ -15,6 +15,14 @@ compiled graph again.
 The step's callbacks that torch calls from whatever code runs (saved-tensor hooks, the SIGINT handler, weakref
 callbacks) would be compiled as frames of their own when that code is compiled: they run untraced too (`wrap`).
 
+Dynamo traces a `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)` call of compiled code as a
+higher-order op, whose body it traces without the step's mode: a batch-statistics call there would be fused into
+the graph, one micro-batch's statistics, unseen. It knows that function by its identity, looked up when it
+traces; for a step's length (`checkpoint_calls_untraced`) `torch.utils.checkpoint.checkpoint` is a function
+that calls it, so dynamo finds a function it must not trace and runs the checkpoint call uncompiled, as the
+step's own code makes it exact, and graphs compiled in a step (under its mode, on which dynamo guards) keep
+that graph break.
+
 `untraced` registers a function; `prepare()`, at each step's start, makes the disabled versions once dynamo
 is imported (importing it costs a second: a process that never compiles never pays it); `call(fn)` is what
 code that may be compiled calls instead of `fn`.
@@ -22,13 +30,16 @@ code that may be compiled calls instead of `fn`.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import CodeType
 from typing import Any, TypeVar
 
 import torch
+import torch.utils.checkpoint
 
-__all__ = ["call", "prepare", "skip_frames", "untraced", "wrap"]
+__all__ = ["call", "checkpoint_calls_untraced", "prepare", "skip_frames", "untraced", "wrap"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,3 +89,35 @@ def call(fn: F) -> F:
 def wrap(fn: F) -> F:
     """`fn`, made now to run untraced (once prepared): for a callback torch calls from any code (module doc)."""
     return torch.compiler.disable(fn, reason=_REASON) if _prepared else fn
+
+
+_CHECKPOINT_LOCK = threading.Lock()
+_checkpoint_steps: list[Any] = [0, None]  # the steps (on any thread) in `checkpoint_calls_untraced`, torch's function
+
+
+@skip_frames
+def _checkpoint(*args: Any, **kwargs: Any) -> Any:
+    """`torch.utils.checkpoint.checkpoint` during a step: torch's, under another identity and name (dynamo knows
+    torch's by both)."""
+    return _checkpoint_steps[1](*args, **kwargs)
+
+
+@contextmanager
+def checkpoint_calls_untraced() -> Iterator[None]:
+    """For the block, `torch.utils.checkpoint.checkpoint` as a function calling torch's, once prepared (module doc).
+    Steps on several threads share one swap: the last one to end puts torch's function back."""
+    if not _prepared:
+        yield
+        return
+    module = torch.utils.checkpoint
+    with _CHECKPOINT_LOCK:
+        if _checkpoint_steps[0] == 0:
+            _checkpoint_steps[1], module.checkpoint = module.checkpoint, _checkpoint
+        _checkpoint_steps[0] += 1
+    try:
+        yield
+    finally:
+        with _CHECKPOINT_LOCK:
+            _checkpoint_steps[0] -= 1
+            if _checkpoint_steps[0] == 0:
+                module.checkpoint = _checkpoint_steps[1]

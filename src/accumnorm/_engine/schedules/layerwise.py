@@ -62,6 +62,9 @@ class _Lockstep:
                 roots = self._forwards()
         finally:
             self.step.graphs.clear()  # checked: the graphs' nodes are the backward's to free
+        # A BatchNorm forward the step did not see (one fused into a compiled graph) is refused now, saying so, before
+        # the backward meets what it left (its running statistics, changed since a compiled graph saved them).
+        self.step.ledger.check_every_call_seen(self.step.names)
         if self.before_backward is not None:
             self.before_backward()
         if roots:
