@@ -393,6 +393,27 @@ def test_torchs_checkpoint_function_is_back_after_a_step_that_fails():
     assert torch.utils.checkpoint.checkpoint is original
 
 
+def test_a_step_that_finds_its_own_checkpoint_function_in_torch_does_not_call_it_for_torchs():
+    # A loop that kept torch.utils.checkpoint.checkpoint during a step and put it back after (a library's patch
+    # undone), so that the next step finds the step's function there: it must not take it for torch's, whose call
+    # would then call itself.
+    torch.manual_seed(0)
+    net = CheckpointedNorm("BatchNorm2d").double()
+    model, original, kept = torch.compile(net, backend="aot_eager"), torch.utils.checkpoint.checkpoint, []
+
+    def loss_fn(m, batch):
+        kept.append(torch.utils.checkpoint.checkpoint)
+        return ce(m, batch)
+
+    x, y = batches()[0]
+    accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=MICRO)
+    torch.utils.checkpoint.checkpoint = kept[0]
+    try:
+        accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO)
+    finally:
+        torch.utils.checkpoint.checkpoint = original
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_no_dynamo_state_leaks_out_of_a_step(fails, schedule_any):
     torch.manual_seed(0)

@@ -33,7 +33,9 @@ PATHS = {"layerwise": dict(schedule="layerwise"), "recompute": dict(schedule="re
          # A loss over the whole batch: the micro-batches meet at the loss too; and, on a model without norm
          # statistics, "auto"'s one micro-batch at a time (GradCache's scheme).
          "whole-layerwise": dict(schedule="layerwise", whole=True),
-         "whole-gradcache": dict(schedule="auto", whole=True)}
+         "whole-gradcache": dict(schedule="auto", whole=True),
+         # torch.compile'd (aot_eager): graph breaks at each BatchNorm call, the checkpointed region run eagerly
+         "compiled-layerwise": dict(schedule="layerwise", compiled=True)}
 
 
 class Net(nn.Module):
@@ -109,11 +111,14 @@ def _land_the_alarm() -> None:
 def run_path(name: str, kwargs: dict, mid_step: int, min_tries: int, max_tries: int, rng: random.Random) -> list[str]:
     torch.manual_seed(0)
     kwargs = dict(kwargs)
-    whole = kwargs.pop("whole", False)
+    whole, compiled = kwargs.pop("whole", False), kwargs.pop("compiled", False)
     model, batch = (Plain() if name == "whole-gradcache" else Net()), (torch.randn(12, 1, 8, 8),
                                                                          torch.randint(0, 10, (12,)))
+    compiled_copies: dict[int, nn.Module] = {}  # each model's compiled module, made at its first step
 
     def step(model: nn.Module) -> None:
+        if compiled:
+            model = compiled_copies.setdefault(id(model), torch.compile(model, backend="aot_eager"))
         if whole:
             accumnorm.backward(model, batch[0], micro_batch_size=3, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
                                targets=batch[1], **kwargs)

@@ -111,7 +111,7 @@ def checkpoint_calls_untraced() -> Iterator[None]:
         return
     module = torch.utils.checkpoint
     with _CHECKPOINT_LOCK:
-        if _checkpoint_steps[0] == 0:
+        if _checkpoint_steps[0] == 0 and module.checkpoint is not _checkpoint:  # not ours, kept from a step before
             _checkpoint_steps[1], module.checkpoint = module.checkpoint, _checkpoint
         _checkpoint_steps[0] += 1
     try:
