@@ -29,6 +29,7 @@ from .memory.store import resolve_store, store_for
 from .safety import untraced
 from .safety.interrupts import SigintDeferred
 from .safety.rng import StepRng
+from .safety.shared import WhileStepsRun
 from .safety.threadstate import ThreadState
 from .safety.transaction import Transaction
 from .safety.tree import module_names
@@ -182,24 +183,8 @@ def backward(
 # BatchNorm call's way to the schedule): the recursion limit is that much higher while steps run, so that a model
 # as deeply nested as whole-batch torch can run runs in a step too.
 _STEP_FRAMES = 64
-_DEEPER = threading.Lock()
-_deeper = [0, 0]  # steps running now (on any thread), and the limit before the first of them
-
-
-@contextmanager
-def _room_for_the_steps_frames() -> Iterator[None]:
-    with _DEEPER:
-        if _deeper[0] == 0:
-            _deeper[1] = sys.getrecursionlimit()
-            sys.setrecursionlimit(_deeper[1] + _STEP_FRAMES)
-        _deeper[0] += 1
-    try:
-        yield
-    finally:
-        with _DEEPER:
-            _deeper[0] -= 1
-            if _deeper[0] == 0:
-                sys.setrecursionlimit(_deeper[1])
+_ROOM_FOR_THE_STEPS_FRAMES = WhileStepsRun(sys.getrecursionlimit, sys.setrecursionlimit,
+                                           lambda limit: limit + _STEP_FRAMES)
 
 
 @contextmanager
@@ -221,7 +206,7 @@ def _transaction(call: StepCall, names: dict[nn.Module, str],
     rng = StepRng(len(call.micro_batches), transaction.cuda_devices())
     interrupts = SigintDeferred()
     steps: list[Step] = []
-    room = _room_for_the_steps_frames()
+    room = _ROOM_FOR_THE_STEPS_FRAMES.held()
     ended = False  # the step committed and ended, and SIGINT is the caller's again
     try:
         interrupts.start()

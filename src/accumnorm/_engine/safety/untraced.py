@@ -30,14 +30,15 @@ code that may be compiled calls instead of `fn`.
 from __future__ import annotations
 
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from types import CodeType
 from typing import Any, TypeVar
 
 import torch
 import torch.utils.checkpoint
+
+from .shared import WhileStepsRun
 
 __all__ = ["call", "checkpoint_calls_untraced", "prepare", "skip_frames", "untraced", "wrap"]
 
@@ -91,33 +92,25 @@ def wrap(fn: F) -> F:
     return torch.compiler.disable(fn, reason=_REASON) if _prepared else fn
 
 
-_CHECKPOINT_LOCK = threading.Lock()
-_checkpoint_steps: list[Any] = [0, None]  # the steps (on any thread) in `checkpoint_calls_untraced`, torch's function
-
-
 @skip_frames
 def _checkpoint(*args: Any, **kwargs: Any) -> Any:
     """`torch.utils.checkpoint.checkpoint` during a step: torch's, under another identity and name (dynamo knows
     torch's by both)."""
-    return _checkpoint_steps[1](*args, **kwargs)
+    return _CHECKPOINT_CALLS.before(*args, **kwargs)
 
 
-@contextmanager
-def checkpoint_calls_untraced() -> Iterator[None]:
-    """For the block, `torch.utils.checkpoint.checkpoint` as a function calling torch's, once prepared (module doc).
-    Steps on several threads share one swap: the last one to end puts torch's function back."""
-    if not _prepared:
-        yield
-        return
-    module = torch.utils.checkpoint
-    with _CHECKPOINT_LOCK:
-        if _checkpoint_steps[0] == 0 and module.checkpoint is not _checkpoint:  # not ours, kept from a step before
-            _checkpoint_steps[1], module.checkpoint = module.checkpoint, _checkpoint
-        _checkpoint_steps[0] += 1
-    try:
-        yield
-    finally:
-        with _CHECKPOINT_LOCK:
-            _checkpoint_steps[0] -= 1
-            if _checkpoint_steps[0] == 0:
-                module.checkpoint = _checkpoint_steps[1]
+def _torchs_checkpoint() -> Callable[..., Any]:
+    """`torch.utils.checkpoint.checkpoint` now; torch's, where a loop that kept `_checkpoint` during a step put that
+    back since (its call would call itself)."""
+    found = torch.utils.checkpoint.checkpoint
+    return _CHECKPOINT_CALLS.before if found is _checkpoint else found
+
+
+_CHECKPOINT_CALLS = WhileStepsRun(_torchs_checkpoint, lambda f: setattr(torch.utils.checkpoint, "checkpoint", f),
+                                  lambda torchs: _checkpoint)
+
+
+def checkpoint_calls_untraced() -> AbstractContextManager[None]:
+    """For the block, `torch.utils.checkpoint.checkpoint` as a function calling torch's, once prepared (module doc);
+    steps on several threads share one swap."""
+    return _CHECKPOINT_CALLS.held() if _prepared else nullcontext()
