@@ -119,9 +119,14 @@ def _batch_norm_forward(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A00
     the body of a `checkpoint(use_reentrant=False)` call as a higher-order op, without the step's mode, and would
     fuse a batch-statistics call there into the graph. A call of an untraced function cannot be traced into such a
     body: dynamo runs the whole checkpoint call uncompiled instead, where the step sees the call."""
-    if torch.compiler.is_compiling() and not self.training and self.running_mean is not None:
+    if torch.compiler.is_compiling() and _no_batch_statistics(self):
         return _BatchNorm.forward(self, input)
     return untraced.call(_batch_norm_in_step)(self, input)
+
+
+def _no_batch_statistics(layer: _BatchNorm) -> bool:
+    """In eval with running statistics: nothing to meet, so dynamo may trace the layer's forward into its graph."""
+    return not layer.training and layer.running_mean is not None
 
 
 @untraced.skip_frames
@@ -129,7 +134,7 @@ def _batch_norm_subclass_forward(self: _BatchNorm, *args: Any, **kwargs: Any) ->
     """A BatchNorm subclass's own forward in a step: as it is, its calls reaching the mode; compiled, untraced like
     `_batch_norm_forward` (but in eval with running statistics)."""
     forward = type(self).forward
-    if torch.compiler.is_compiling() and (self.training or self.running_mean is None):
+    if torch.compiler.is_compiling() and not _no_batch_statistics(self):
         return untraced.call(_subclass_in_step)(forward, self, args, kwargs)
     return forward(self, *args, **kwargs)
 
