@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import sys
 
 import pytest
 import test_random_networks as random_networks
@@ -412,6 +413,61 @@ def test_a_step_that_finds_its_own_checkpoint_function_in_torch_does_not_call_it
         accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO)
     finally:
         torch.utils.checkpoint.checkpoint = original
+
+
+def placeholder():
+    """What a torch.compiler.nested_compile_region function calls, and dynamo traces as a higher-order op."""
+    return sys.modules["torch._higher_order_ops.invoke_subgraph"].invoke_subgraph_placeholder
+
+
+@torch.compiler.nested_compile_region
+def region(conv: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(norm(conv(x)))
+
+
+class RegionNorm(nn.Module):
+    """A norm inside a torch.compiler.nested_compile_region function, whose body dynamo traces as a higher-order op."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU())
+        self.conv, self.norm = nn.Conv2d(6, 6, 3, padding=1), NORMS[norm](6)
+        self.fc = nn.Linear(6 * 6 * 6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(region(self.conv, self.norm, self.stem(x)).flatten(1))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes"])
+def test_a_norm_in_a_nested_compile_region_inside_a_compiled_model_trains_like_whole_batch_eager_torch(norm, schedule):
+    # Dynamo traced the region's body without the step's mode: a bare F.batch_norm was fused with one micro-batch's
+    # statistics (gradients off by about 1e-2), a layer's untraced forward was dynamo's error.
+    torch.manual_seed(0)
+    net = RegionNorm(norm).double()
+    oracle = copy.deepcopy(net)
+    data = batches()
+    model, original = torch.compile(net, backend="aot_eager"), placeholder()
+    ce(model, data[0]), ce(oracle, data[0])  # a graph with the region fused, compiled before the steps
+    train_eager_whole_batch(oracle, data)
+    train_accumnorm(model, net.parameters(), data, ce, schedule=schedule)
+    assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
+    assert placeholder() is original
+
+
+def test_torchs_compile_region_placeholder_is_back_after_a_step_that_fails():
+    torch.manual_seed(0)
+    net = RegionNorm("bare").double()
+    x, y = batches()[0]
+    original = placeholder()
+
+    def loss_fn(m, batch):
+        assert placeholder() is not original  # dynamo must not know it during the step
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        accumnorm.backward(torch.compile(net, backend="aot_eager"), (x, y), loss_fn, micro_batch_size=MICRO)
+    assert placeholder() is original
 
 
 @pytest.mark.parametrize("fails", [False, True])

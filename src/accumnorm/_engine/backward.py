@@ -189,9 +189,9 @@ _ROOM_FOR_THE_STEPS_FRAMES = WhileStepsRun(sys.getrecursionlimit, sys.setrecursi
 
 @contextmanager
 def _exact_forwards(modules: list[nn.Module]) -> Iterator[None]:
-    """For an exact step's length: the step forwards of torch's layers, and checkpoint calls that compiled code runs
-    uncompiled (`untraced`)."""
-    with step_forwards(modules), untraced.checkpoint_calls_untraced():
+    """For an exact step's length: the step forwards of torch's layers, checkpoint calls that compiled code runs
+    uncompiled, and nested compile regions that dynamo traces as ordinary code (`untraced`)."""
+    with step_forwards(modules), untraced.checkpoint_calls_untraced(), untraced.compile_regions_as_code():
         yield
 
 

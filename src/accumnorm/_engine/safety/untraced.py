@@ -23,6 +23,15 @@ that calls it, so dynamo finds a function it must not trace and runs the checkpo
 step's own code makes it exact, and graphs compiled in a step (under its mode, on which dynamo guards) keep
 that graph break.
 
+A `torch.compiler.nested_compile_region` function calls `invoke_subgraph_placeholder`, which dynamo traces as a
+higher-order op (invoke_subgraph) whose body it traces without the step's mode, as for a checkpoint: a bare
+batch-statistics call there would be fused, a BatchNorm layer's untraced forward would be dynamo's error. Dynamo
+knows the placeholder by its identity, looked up when it traces; for a step's length (`compile_regions_as_code`) the
+region's placeholder is a function calling the region, and dynamo's check for the placeholder
+(`torch._dynamo.variables.builder.is_invoke_subgraph`) matches nothing: dynamo traces the region as ordinary code,
+under the step's mode, and breaks its graph at the region's BatchNorm calls as anywhere else. A graph compiled
+outside a step, with the region's higher-order op, is never run inside one (dynamo guards on the mode stack).
+
 `untraced` registers a function; `prepare()`, at each step's start, makes the disabled versions once dynamo
 is imported (importing it costs a second: a process that never compiles never pays it); `call(fn)` is what
 code that may be compiled calls instead of `fn`.
@@ -40,7 +49,7 @@ import torch.utils.checkpoint
 
 from .shared import WhileStepsRun
 
-__all__ = ["call", "checkpoint_calls_untraced", "prepare", "skip_frames", "untraced", "wrap"]
+__all__ = ["call", "checkpoint_calls_untraced", "compile_regions_as_code", "prepare", "skip_frames", "untraced", "wrap"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -114,3 +123,36 @@ def checkpoint_calls_untraced() -> AbstractContextManager[None]:
     """For the block, `torch.utils.checkpoint.checkpoint` as a function calling torch's, once prepared (module doc);
     steps on several threads share one swap."""
     return _CHECKPOINT_CALLS.held() if _prepared else nullcontext()
+
+
+@skip_frames
+def _region(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`invoke_subgraph_placeholder` during a step: the region's function, called as any function is."""
+    return func(*args, **kwargs)
+
+
+def _never(obj: object) -> bool:
+    """Dynamo's check for `invoke_subgraph_placeholder` during a step: nothing is it."""
+    return False
+
+
+def _torchs_regions() -> tuple[Callable[..., Any], Callable[[object], bool]]:
+    """(torch's placeholder, dynamo's check for it) now; torch's, where a loop that kept the step's during a step put
+    them back since."""
+    found = (sys.modules["torch._higher_order_ops.invoke_subgraph"].invoke_subgraph_placeholder,
+             torch._dynamo.variables.builder.is_invoke_subgraph)
+    return _REGION_CALLS.before if found[0] is _region else found
+
+
+def _set_regions(pair: tuple[Callable[..., Any], Callable[[object], bool]]) -> None:
+    sys.modules["torch._higher_order_ops.invoke_subgraph"].invoke_subgraph_placeholder = pair[0]
+    torch._dynamo.variables.builder.is_invoke_subgraph = pair[1]
+
+
+_REGION_CALLS = WhileStepsRun(_torchs_regions, _set_regions, lambda torchs: (_region, _never))
+
+
+def compile_regions_as_code() -> AbstractContextManager[None]:
+    """For the block, `torch.compiler.nested_compile_region` functions traced by dynamo as ordinary code, once
+    prepared (module doc); steps on several threads share one swap."""
+    return _REGION_CALLS.held() if _prepared else nullcontext()
