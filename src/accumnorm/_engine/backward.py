@@ -190,8 +190,10 @@ _ROOM_FOR_THE_STEPS_FRAMES = WhileStepsRun(sys.getrecursionlimit, sys.setrecursi
 @contextmanager
 def _exact_forwards(modules: list[nn.Module]) -> Iterator[None]:
     """For an exact step's length: the step forwards of torch's layers, checkpoint calls that compiled code runs
-    uncompiled, and nested compile regions that dynamo traces as ordinary code (`untraced`)."""
-    with step_forwards(modules), untraced.checkpoint_calls_untraced(), untraced.compile_regions_as_code():
+    uncompiled, nested compile regions that dynamo traces as ordinary code, and the other higher-order ops' bodies
+    refused where they hold a batch-statistics norm (`untraced`)."""
+    with step_forwards(modules), untraced.checkpoint_calls_untraced(), untraced.compile_regions_as_code(), \
+            untraced.norms_in_bodies_refused():
         yield
 
 
@@ -246,9 +248,12 @@ def _transaction(call: StepCall, names: dict[nn.Module, str],
         # step has returned.
         interrupts.close()
         ended = True
-    except BaseException:
+    except BaseException as e:
         transaction.rollback()
         rng.close(failed=True)
+        refused = untraced.refused_in(e)
+        if refused is not None:  # dynamo's error, around the refusal it was told
+            raise refused from e
         raise
     finally:
         if not ended:

@@ -34,7 +34,7 @@ from ..safety import untraced
 from ..safety.graphs import Graphs
 from ..safety.threadstate import Modes
 
-__all__ = ["BNCall", "INCall", "NormCalls", "Watch", "describe", "describe_layer"]
+__all__ = ["BNCall", "INCall", "NormCalls", "Watch", "batch_statistics_call", "describe", "describe_layer"]
 
 _BATCH_NORM = {  # the batch-norm functions and their argument order
     F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
@@ -261,6 +261,22 @@ def _refuse_own_average(layer: nn.Module, factor: float | None) -> None:
             "momentum=None layer the whole batch's cumulative average and cannot know the factor your forward would "
             "compute for the whole batch. Nothing was changed. Give the layer a momentum, or compute the factor as "
             "torch's BatchNorm does")
+
+
+def batch_statistics_call(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of `func` (its arguments as a graph holds them: constants, or nodes whose value is unknown) is
+    one the mode hands to the schedule: a batch norm that may use batch statistics, an instance norm that may update
+    running statistics."""
+    if func in _BATCH_NORM:
+        return _may_be_true(_bind(_BATCH_NORM[func], args, kwargs)["training"])
+    if func in _INSTANCE_NORM:
+        a = _bind(_INSTANCE_NORM[func], args, kwargs)
+        return _may_be_true(a["use_input_stats"]) and a["running_mean"] is not None
+    return False
+
+
+def _may_be_true(flag: Any) -> bool:
+    return not isinstance(flag, (bool, int, float)) or bool(flag)
 
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:

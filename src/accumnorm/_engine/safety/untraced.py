@@ -32,6 +32,17 @@ region's placeholder is a function calling the region, and dynamo's check for th
 under the step's mode, and breaks its graph at the region's BatchNorm calls as anywhere else. A graph compiled
 outside a step, with the region's higher-order op, is never run inside one (dynamo guards on the mode stack).
 
+The other higher-order ops (torch.cond, while_loop, map, scan, ...) cannot be traced as ordinary code: a cond's
+predicate may be data, and no graph break can happen inside their bodies, which dynamo traces without the step's mode
+in a compiled model and in an eager one alike (they compile their bodies to run them). A batch-statistics call there
+cannot meet the other micro-batches, and is refused before the step ends. For a step's length
+(`norms_in_bodies_refused`) dynamo's two functions that trace such a body into a graph of its own
+(`speculate_subgraph`, `speculate_subgraph_with_auto_output_flattening`) scan the graph for the calls the mode would
+hand to the schedule (`calls.batch_statistics_call`); a BatchNorm layer's untraced forward fails there first. Either
+way dynamo is told that it cannot trace the body: an op that may fall back to eager does (a custom autograd.Function,
+whose forward the mode then sees and refuses as in eager), the others fail with dynamo's error around this one, which
+the step, once rolled back, raises as a ValueError (`refused_in`).
+
 `untraced` registers a function; `prepare()`, at each step's start, makes the disabled versions once dynamo
 is imported (importing it costs a second: a process that never compiles never pays it); `call(fn)` is what
 code that may be compiled calls instead of `fn`.
@@ -49,7 +60,8 @@ import torch.utils.checkpoint
 
 from .shared import WhileStepsRun
 
-__all__ = ["call", "checkpoint_calls_untraced", "compile_regions_as_code", "prepare", "skip_frames", "untraced", "wrap"]
+__all__ = ["call", "checkpoint_calls_untraced", "compile_regions_as_code", "norms_in_bodies_refused", "prepare",
+           "refused_in", "skip_frames", "untraced", "wrap"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -156,3 +168,75 @@ def compile_regions_as_code() -> AbstractContextManager[None]:
     """For the block, `torch.compiler.nested_compile_region` functions traced by dynamo as ordinary code, once
     prepared (module doc); steps on several threads share one swap."""
     return _REGION_CALLS.held() if _prepared else nullcontext()
+
+
+def _scanned(speculate: Callable[..., Any]) -> Callable[..., Any]:
+    """Dynamo's `speculate` (which traces a higher-order op's body into a graph of its own) during a step: the same,
+    refusing a body with a batch-statistics norm (module doc)."""
+    def scanned(tx: Any, f: Any, sub_args: Any, sub_kwargs: Any, description: str, *args: Any, **kwargs: Any) -> Any:
+        from ..intercept.calls import batch_statistics_call
+
+        try:
+            traced = speculate(tx, f, sub_args, sub_kwargs, description, *args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            if _REASON not in str(e):  # not a BatchNorm layer's step forward
+                raise
+            _refuse_body(description, "a BatchNorm layer's call")
+        for node in traced[1].nodes:
+            if node.op == "call_function" and batch_statistics_call(node.target, node.args, node.kwargs):
+                _refuse_body(description, f"a {torch.overrides.resolve_name(node.target) or node.target} call")
+        return traced
+
+    scanned.torchs = speculate
+    return scanned
+
+
+def _refuse_body(description: str, what: str) -> None:
+    """Tell dynamo it cannot trace the body: a higher-order op that may run uncompiled does (and the step's mode sees
+    the call), the others fail with dynamo's error around this one (`refused_in`)."""
+    raise torch._dynamo.exc.Unsupported(
+        f"bn='exact' found {what} with batch statistics inside the body of {description}, which dynamo traces as a "
+        "graph of its own, even in an uncompiled model: the micro-batches cannot meet there, and the call would "
+        "normalize each micro-batch alone. Nothing was changed. Call the norm outside the body (before or after "
+        f"{description}, or in a plain Python if/loop), or pass bn='micro'", gb_type=_REFUSED)
+
+
+_REFUSED = "accumnorm: a batch-statistics norm in a higher-order op's body"
+
+
+def refused_in(error: BaseException) -> ValueError | None:
+    """The refusal of a norm in a higher-order op's body (`_refuse_body`) that `error` (dynamo's) was raised around,
+    as a ValueError with `error`'s notes (which micro-batch); None if there is none."""
+    found: BaseException | None = error
+    for _ in range(8):  # dynamo's own wrappers, each around the next
+        if found is None or getattr(found, "gb_type", None) == _REFUSED:
+            break
+        found = found.__cause__ or found.__context__
+    if found is None or getattr(found, "gb_type", None) != _REFUSED:
+        return None
+    refused = ValueError(found.msg)
+    for note in getattr(error, "__notes__", ()):
+        refused.add_note(note)
+    return refused
+
+
+def _torchs_speculates() -> tuple[Callable[..., Any], ...]:
+    """Dynamo's two functions that trace a higher-order op's body, now; torch's, where a loop that kept the step's
+    during a step put them back since."""
+    hops = torch._dynamo.variables.higher_order_ops
+    return tuple(getattr(f, "torchs", f) for f in (hops.speculate_subgraph,
+                                                   hops.speculate_subgraph_with_auto_output_flattening))
+
+
+def _set_speculates(pair: tuple[Callable[..., Any], ...]) -> None:
+    hops = torch._dynamo.variables.higher_order_ops
+    hops.speculate_subgraph, hops.speculate_subgraph_with_auto_output_flattening = pair
+
+
+_SPECULATES = WhileStepsRun(_torchs_speculates, _set_speculates, lambda torchs: tuple(map(_scanned, torchs)))
+
+
+def norms_in_bodies_refused() -> AbstractContextManager[None]:
+    """For the block, dynamo's tracing of a higher-order op's body refuses a batch-statistics norm there, once
+    prepared (module doc); steps on several threads share one swap."""
+    return _SPECULATES.held() if _prepared else nullcontext()
