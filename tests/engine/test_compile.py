@@ -185,11 +185,16 @@ class Compiles:
         self.frames: collections.Counter = collections.Counter()
         self.graphs = 0
         self.with_batch_norm = 0  # graphs that normalize with a batch-statistics call inside them
+        self.runs = 0  # calls of the compiled graphs
 
     def backend(self, gm, example_inputs):
         self.graphs += 1
         self.with_batch_norm += any("batch_norm" in str(node.target) for node in gm.graph.nodes)
-        return gm.forward
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+        return run
 
     def __enter__(self) -> Compiles:
         self.handle = dynamo.convert_frame.register_bytecode_hook(lambda code, new: self.frames.update([code]))
@@ -375,47 +380,54 @@ def test_a_norm_in_the_users_checkpoint_inside_a_compiled_model_trains_like_whol
     oracle = copy.deepcopy(net)
     data = batches()
     train_eager_whole_batch(oracle, data)
-    original = torch.utils.checkpoint.checkpoint
+    original = dynamos_checks()
     train_accumnorm(torch.compile(net, backend="aot_eager"), net.parameters(), data, ce, schedule=schedule)
     # Parameters only: torch's recomputation in the oracle's backward moves the running statistics a second time.
     assert_state_close(dict(net.named_parameters()), dict(oracle.named_parameters()), 1e-10)
-    assert torch.utils.checkpoint.checkpoint is original
+    assert dynamos_checks() == original
 
 
-def test_torchs_checkpoint_function_is_back_after_a_step_that_fails():
+def dynamos_checks():
+    """Dynamo's checks for the functions it traces as higher-order ops: torch's checkpoint, a compile region's call."""
+    builder = dynamo.variables.builder
+    return builder.is_utils_checkpoint, builder.is_invoke_subgraph
+
+
+def test_dynamos_checks_are_back_after_a_step_that_fails():
     torch.manual_seed(0)
     net = CheckpointedNorm("BatchNorm2d").double()
     x, y = batches()[0]
-    original = torch.utils.checkpoint.checkpoint
+    original = dynamos_checks()
 
     def loss_fn(m, batch):
-        assert torch.utils.checkpoint.checkpoint is not original  # dynamo must not know it during the step
+        assert not any(check(torch.utils.checkpoint.checkpoint) for check in dynamos_checks())  # during the step
         raise RuntimeError("the forward fails")
 
     with pytest.raises(RuntimeError, match="the forward fails"):
         accumnorm.backward(torch.compile(net, backend="aot_eager"), (x, y), loss_fn, micro_batch_size=MICRO)
-    assert torch.utils.checkpoint.checkpoint is original
+    assert dynamos_checks() == original
 
 
-def test_a_step_that_finds_its_own_checkpoint_function_in_torch_does_not_call_it_for_torchs():
-    # A loop that kept torch.utils.checkpoint.checkpoint during a step and put it back after (a library's patch
-    # undone), so that the next step finds the step's function there: it must not take it for torch's, whose call
-    # would then call itself.
+def test_a_step_that_finds_its_own_checks_in_dynamo_does_not_keep_them_for_torchs():
+    # A loop that kept dynamo's checks during a step and put them back after (a library's patch undone), so that
+    # the next step finds the step's there: it must put torch's back at its end, not its own.
     torch.manual_seed(0)
     net = CheckpointedNorm("BatchNorm2d").double()
-    model, original, kept = torch.compile(net, backend="aot_eager"), torch.utils.checkpoint.checkpoint, []
+    model, original, kept = torch.compile(net, backend="aot_eager"), dynamos_checks(), []
 
     def loss_fn(m, batch):
-        kept.append(torch.utils.checkpoint.checkpoint)
+        kept.append(dynamos_checks())
         return ce(m, batch)
 
     x, y = batches()[0]
     accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=MICRO)
-    torch.utils.checkpoint.checkpoint = kept[0]
+    builder = dynamo.variables.builder
+    builder.is_utils_checkpoint, builder.is_invoke_subgraph = kept[0]
     try:
         accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO)
+        assert dynamos_checks() == original
     finally:
-        torch.utils.checkpoint.checkpoint = original
+        builder.is_utils_checkpoint, builder.is_invoke_subgraph = original
 
 
 def placeholder():
@@ -559,6 +571,29 @@ def speculates() -> tuple:
 
 
 SPECULATES = speculates()
+
+
+@pytest.mark.parametrize("model", [CheckpointedNorm, RegionNorm])
+def test_a_compiled_model_with_a_higher_order_call_stays_compiled_in_a_step_and_after_it(model):
+    # Dynamo took the step's checkpoint function for torch's and failed to trace it: the whole forward ran
+    # uncompiled, in the step and in every call after it.
+    torch.manual_seed(0)
+    net = model("BatchNorm2d").double()
+    counts = Compiles()
+    compiled = torch.compile(net, backend=counts.backend)
+    x, y = batches()[0]
+    net.eval()
+    with torch.no_grad():
+        compiled(x)
+    assert counts.runs == 1
+    net.train()
+    accumnorm.backward(compiled, (x, y), ce, micro_batch_size=MICRO)
+    in_step = counts.runs - 1
+    assert in_step >= len(range(0, N, MICRO))  # compiled graphs in each micro-batch's forward
+    net.eval()
+    with torch.no_grad():
+        compiled(x)
+    assert counts.runs == 1 + in_step + 1
 
 
 @pytest.mark.parametrize("fails", [False, True])
