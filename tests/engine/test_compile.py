@@ -185,11 +185,16 @@ class Compiles:
         self.frames: collections.Counter = collections.Counter()
         self.graphs = 0
         self.with_batch_norm = 0  # graphs that normalize with a batch-statistics call inside them
+        self.runs = 0  # calls of the compiled graphs
 
     def backend(self, gm, example_inputs):
         self.graphs += 1
         self.with_batch_norm += any("batch_norm" in str(node.target) for node in gm.graph.nodes)
-        return gm.forward
+
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+        return run
 
     def __enter__(self) -> Compiles:
         self.handle = dynamo.convert_frame.register_bytecode_hook(lambda code, new: self.frames.update([code]))
@@ -365,57 +370,32 @@ class CheckpointedNorm(nn.Module):
         return self.fc(h.flatten(1))
 
 
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes"])
-def test_a_norm_in_the_users_checkpoint_inside_a_compiled_model_trains_like_whole_batch_eager_torch(norm, schedule):
-    # Dynamo traced the checkpoint's body without the step's mode and fused its norm with one micro-batch's
-    # statistics: wrong gradients, or autograd's in-place error at the backward.
-    torch.manual_seed(0)
-    net = CheckpointedNorm(norm).double()
-    oracle = copy.deepcopy(net)
-    data = batches()
-    train_eager_whole_batch(oracle, data)
-    original = torch.utils.checkpoint.checkpoint
-    train_accumnorm(torch.compile(net, backend="aot_eager"), net.parameters(), data, ce, schedule=schedule)
-    # Parameters only: torch's recomputation in the oracle's backward moves the running statistics a second time.
-    assert_state_close(dict(net.named_parameters()), dict(oracle.named_parameters()), 1e-10)
-    assert torch.utils.checkpoint.checkpoint is original
+def dynamos_checks():
+    """Dynamo's checks for the functions it traces as higher-order ops: torch's checkpoint, a compile region's call."""
+    builder = dynamo.variables.builder
+    return builder.is_utils_checkpoint, builder.is_invoke_subgraph
 
 
-def test_torchs_checkpoint_function_is_back_after_a_step_that_fails():
+def test_a_step_that_finds_its_own_checks_in_dynamo_does_not_keep_them_for_torchs():
+    # A loop that kept dynamo's checks during a step and put them back after (a library's patch undone), so that
+    # the next step finds the step's there: it must put torch's back at its end, not its own.
     torch.manual_seed(0)
     net = CheckpointedNorm("BatchNorm2d").double()
-    x, y = batches()[0]
-    original = torch.utils.checkpoint.checkpoint
+    model, original, kept = torch.compile(net, backend="aot_eager"), dynamos_checks(), []
 
     def loss_fn(m, batch):
-        assert torch.utils.checkpoint.checkpoint is not original  # dynamo must not know it during the step
-        raise RuntimeError("the forward fails")
-
-    with pytest.raises(RuntimeError, match="the forward fails"):
-        accumnorm.backward(torch.compile(net, backend="aot_eager"), (x, y), loss_fn, micro_batch_size=MICRO)
-    assert torch.utils.checkpoint.checkpoint is original
-
-
-def test_a_step_that_finds_its_own_checkpoint_function_in_torch_does_not_call_it_for_torchs():
-    # A loop that kept torch.utils.checkpoint.checkpoint during a step and put it back after (a library's patch
-    # undone), so that the next step finds the step's function there: it must not take it for torch's, whose call
-    # would then call itself.
-    torch.manual_seed(0)
-    net = CheckpointedNorm("BatchNorm2d").double()
-    model, original, kept = torch.compile(net, backend="aot_eager"), torch.utils.checkpoint.checkpoint, []
-
-    def loss_fn(m, batch):
-        kept.append(torch.utils.checkpoint.checkpoint)
+        kept.append(dynamos_checks())
         return ce(m, batch)
 
     x, y = batches()[0]
     accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=MICRO)
-    torch.utils.checkpoint.checkpoint = kept[0]
+    builder = dynamo.variables.builder
+    builder.is_utils_checkpoint, builder.is_invoke_subgraph = kept[0]
     try:
         accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO)
+        assert dynamos_checks() == original
     finally:
-        torch.utils.checkpoint.checkpoint = original
+        builder.is_utils_checkpoint, builder.is_invoke_subgraph = original
 
 
 def placeholder():
@@ -441,36 +421,45 @@ class RegionNorm(nn.Module):
         return self.fc(region(self.conv, self.norm, self.stem(x)).flatten(1))
 
 
+HIGHER_ORDER_CALLS = {"the user's checkpoint": CheckpointedNorm, "a nested compile region": RegionNorm}
+
+
+@pytest.mark.parametrize("call", HIGHER_ORDER_CALLS)
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes"])
-def test_a_norm_in_a_nested_compile_region_inside_a_compiled_model_trains_like_whole_batch_eager_torch(norm, schedule):
-    # Dynamo traced the region's body without the step's mode: a bare F.batch_norm was fused with one micro-batch's
-    # statistics (gradients off by about 1e-2), a layer's untraced forward was dynamo's error.
+def test_a_norm_in_a_higher_order_call_inside_a_compiled_model_trains_like_whole_batch_eager_torch(call, norm,
+                                                                                                   schedule):
+    # Dynamo traced the checkpoint's or the region's body without the step's mode and fused its norm with one
+    # micro-batch's statistics: wrong gradients, autograd's in-place error at the backward, or dynamo's error.
     torch.manual_seed(0)
-    net = RegionNorm(norm).double()
+    net = HIGHER_ORDER_CALLS[call](norm).double()
     oracle = copy.deepcopy(net)
     data = batches()
-    model, original = torch.compile(net, backend="aot_eager"), placeholder()
-    ce(model, data[0]), ce(oracle, data[0])  # a graph with the region fused, compiled before the steps
+    model, original = torch.compile(net, backend="aot_eager"), (dynamos_checks(), placeholder())
+    ce(model, data[0]), ce(oracle, data[0])  # a graph with the call's higher-order op, compiled before the steps
     train_eager_whole_batch(oracle, data)
     train_accumnorm(model, net.parameters(), data, ce, schedule=schedule)
-    assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
-    assert placeholder() is original
+    assert_state_close(dict(net.named_parameters()), dict(oracle.named_parameters()), 1e-10)
+    if call == "a nested compile region":  # torch's recomputation of a checkpoint moves the oracle's statistics again
+        assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
+    assert (dynamos_checks(), placeholder()) == original
 
 
-def test_torchs_compile_region_placeholder_is_back_after_a_step_that_fails():
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_dynamos_checks_and_torchs_region_placeholder_are_back_after_a_step_that_fails(error):
     torch.manual_seed(0)
     net = RegionNorm("bare").double()
     x, y = batches()[0]
-    original = placeholder()
+    original = dynamos_checks(), placeholder()
 
     def loss_fn(m, batch):
-        assert placeholder() is not original  # dynamo must not know it during the step
-        raise KeyboardInterrupt
+        assert placeholder() is not original[1]  # during the step, dynamo knows neither function
+        assert not any(check(f) for check in dynamos_checks() for f in (torch.utils.checkpoint.checkpoint, original[1]))
+        raise error("the forward fails")
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(error, match="the forward fails"):
         accumnorm.backward(torch.compile(net, backend="aot_eager"), (x, y), loss_fn, micro_batch_size=MICRO)
-    assert placeholder() is original
+    assert (dynamos_checks(), placeholder()) == original
 
 
 def in_body(op: str, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -559,6 +548,29 @@ def speculates() -> tuple:
 
 
 SPECULATES = speculates()
+
+
+@pytest.mark.parametrize("model", [CheckpointedNorm, RegionNorm])
+def test_a_compiled_model_with_a_higher_order_call_stays_compiled_in_a_step_and_after_it(model):
+    # Dynamo took the step's checkpoint function for torch's and failed to trace it: the whole forward ran
+    # uncompiled, in the step and in every call after it.
+    torch.manual_seed(0)
+    net = model("BatchNorm2d").double()
+    counts = Compiles()
+    compiled = torch.compile(net, backend=counts.backend)
+    x, y = batches()[0]
+    net.eval()
+    with torch.no_grad():
+        compiled(x)
+    assert counts.runs == 1
+    net.train()
+    accumnorm.backward(compiled, (x, y), ce, micro_batch_size=MICRO)
+    in_step = counts.runs - 1
+    assert in_step >= len(range(0, N, MICRO))  # compiled graphs in each micro-batch's forward
+    net.eval()
+    with torch.no_grad():
+        compiled(x)
+    assert counts.runs == 1 + in_step + 1
 
 
 @pytest.mark.parametrize("fails", [False, True])

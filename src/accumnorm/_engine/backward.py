@@ -23,6 +23,7 @@ from torch import Tensor
 from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
 from .intercept.forwards import step_forwards
+from .intercept.higher_order import higher_order_ops_in_step, refused_in
 from .lazy_eps import warn_large_eps
 from .memory.budget import check_budget, check_budget_fits_passes, default_budget
 from .memory.store import resolve_store, store_for
@@ -189,11 +190,9 @@ _ROOM_FOR_THE_STEPS_FRAMES = WhileStepsRun(sys.getrecursionlimit, sys.setrecursi
 
 @contextmanager
 def _exact_forwards(modules: list[nn.Module]) -> Iterator[None]:
-    """For an exact step's length: the step forwards of torch's layers, checkpoint calls that compiled code runs
-    uncompiled, nested compile regions that dynamo traces as ordinary code, and the other higher-order ops' bodies
-    refused where they hold a batch-statistics norm (`untraced`)."""
-    with step_forwards(modules), untraced.checkpoint_calls_untraced(), untraced.compile_regions_as_code(), \
-            untraced.norms_in_bodies_refused():
+    """For an exact step's length: the step forwards of torch's layers, and higher-order ops that dynamo traces where
+    the step sees their norms, or refuses (`higher_order`)."""
+    with step_forwards(modules), higher_order_ops_in_step():
         yield
 
 
@@ -251,7 +250,7 @@ def _transaction(call: StepCall, names: dict[nn.Module, str],
     except BaseException as e:
         transaction.rollback()
         rng.close(failed=True)
-        refused = untraced.refused_in(e)
+        refused = refused_in(e)
         if refused is not None:  # dynamo's error, around the refusal it was told
             raise refused from e
         raise
