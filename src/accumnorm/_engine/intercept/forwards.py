@@ -115,10 +115,8 @@ def _batch_norm_forward(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A00
     """A BatchNorm layer's forward in a step: untraced (`_batch_norm_in_step`), so that a compiled forward breaks its
     graph at the layer's call; in eval with running statistics, which needs no meeting, traced as the class's.
 
-    Why not trace the class's forward, whose F.batch_norm call reaches the mode's untraced handler: dynamo traces
-    the body of a `checkpoint(use_reentrant=False)` call as a higher-order op, without the step's mode, and would
-    fuse a batch-statistics call there into the graph. A call of an untraced function cannot be traced into such a
-    body: dynamo runs the whole checkpoint call uncompiled instead, where the step sees the call."""
+    Inside a higher-order op's body (`torch.cond`'s, ...), which dynamo traces without the step's mode, the untraced
+    call cannot be traced: it fails there, and `higher_order` refuses the step, naming the op."""
     if torch.compiler.is_compiling() and _no_batch_statistics(self):
         return _BatchNorm.forward(self, input)
     return untraced.call(_batch_norm_in_step)(self, input)

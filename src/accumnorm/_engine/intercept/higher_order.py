@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -140,21 +140,12 @@ def _set_speculates(pair: tuple[Callable[..., Any], ...]) -> None:
 _SPECULATES = WhileStepsRun(_torchs_speculates, _set_speculates, lambda torchs: tuple(map(_scanned, torchs)))
 
 
-def _norms_in_bodies_refused() -> AbstractContextManager[None]:
-    """For the block, dynamo's tracing of a higher-order op's body refuses a batch-statistics norm there, once
-    prepared (module doc); steps on several threads share one swap."""
-    return _SPECULATES.held() if untraced.prepared() else nullcontext()
-
-
-def _calls_as_calls() -> AbstractContextManager[None]:
-    """For the block, no higher-order op for a checkpoint call or a nested compile region's, once prepared (module
-    doc); steps on several threads share one swap."""
-    return _HIGHER_ORDER_CALLS.held() if untraced.prepared() else nullcontext()
-
-
 @contextmanager
 def higher_order_ops_in_step() -> Iterator[None]:
     """For the block, once dynamo is imported: no higher-order op for torch's checkpoint or a nested compile region,
-    and a batch-statistics norm in any other's body refused (module doc)."""
-    with _calls_as_calls(), _norms_in_bodies_refused():
+    and a batch-statistics norm in any other's body refused (module doc). Steps on several threads share the swaps."""
+    if not untraced.prepared():
+        yield
+        return
+    with _HIGHER_ORDER_CALLS.held(), _SPECULATES.held():
         yield
