@@ -1,15 +1,17 @@
 """The forwards torch's own layers get for a step (`_engine/intercept/forwards.py`): the BatchNorm one follows
 torch's `_BatchNorm.forward` line for line, so torch changing its own must not pass unseen."""
+import copy
 import hashlib
 import inspect
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import accumnorm
 from accumnorm._engine.intercept.forwards import TORCH_FORWARD_SHA256
-from helpers import ce_loss
+from helpers import assert_unchanged, ce_loss, exact_vs_whole_batch, snapshot
 
 
 def test_torchs_batchnorm_forward_is_the_one_the_step_forward_follows():
@@ -26,3 +28,32 @@ def test_a_step_leaves_torchs_layers_their_class_forward():
     batch = (torch.randn(8, 1, 6, 6), torch.randint(0, 3, (8,)))
     accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def _digits_net(bn: nn.BatchNorm2d) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), bn, nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
+
+
+def test_a_batchnorm_layer_without_the_buffers_it_does_not_track_trains_like_whole_batch_torch():
+    """The step reads a layer's tensors from its tables; one whose untracked buffers were deleted is read as torch's
+    forward reads it (not at all)."""
+    bn = nn.BatchNorm2d(4, track_running_stats=False)
+    del bn.num_batches_tracked
+    ref = _digits_net(bn)
+    ours = copy.deepcopy(ref)
+    batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    exact_vs_whole_batch(ref, ours, batch, micro_batch_size=4, tol=1e-10, schedule="layerwise")
+
+
+def test_a_batchnorm_layer_missing_a_buffer_it_tracks_fails_as_in_torch_and_changes_nothing():
+    bn = nn.BatchNorm2d(4)
+    del bn.num_batches_tracked
+    model = _digits_net(bn)
+    batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    with pytest.raises(AttributeError, match="num_batches_tracked"):
+        ce_loss(copy.deepcopy(model), batch)
+    before = snapshot(model)
+    with pytest.raises(AttributeError, match="num_batches_tracked"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=4, schedule="layerwise")
+    assert_unchanged(model, before)

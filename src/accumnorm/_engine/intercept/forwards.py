@@ -38,6 +38,7 @@ from .calls import NormCalls
 __all__ = ["CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards"]
 
 _C = torch._C
+_eval_frame_callback = _C._dynamo.eval_frame.get_eval_frame_callback
 
 # torch's layers whose forward is a functional call or two, none of them a batch or instance norm: exact classes
 # only (a subclass's forward is anyone's).
@@ -117,8 +118,12 @@ def _batch_norm_forward(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A00
 
     Inside a higher-order op's body (`torch.cond`'s, ...), which dynamo traces without the step's mode, the untraced
     call cannot be traced: it fails there, and `higher_order` refuses the step, naming the op."""
-    if torch.compiler.is_compiling() and _no_batch_statistics(self):
-        return _BatchNorm.forward(self, input)
+    if torch.compiler.is_compiling():
+        if _no_batch_statistics(self):
+            return _BatchNorm.forward(self, input)
+        return untraced.call(_batch_norm_in_step)(self, input)
+    if _eval_frame_callback() is None:  # eager, outside any compiled frame: nothing for the wrapper to switch off
+        return _batch_norm_in_step(self, input)
     return untraced.call(_batch_norm_in_step)(self, input)
 
 
@@ -149,16 +154,36 @@ def _batch_norm_in_step(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A00
     mode = _step_mode()
     if mode is None or not self.training:  # eval: running statistics, or batch ones through the mode as usual
         return _BatchNorm.forward(self, input)
+    running_mean, running_var, num_batches_tracked, weight, bias = _tensors(self)
     _C._pop_torch_function_stack()
     try:
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
+        if self.track_running_stats and num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average
-                factor = 1.0 / float(self.num_batches_tracked)
+                factor = 1.0 / float(num_batches_tracked)
         tracked = self.track_running_stats
-        return mode.batch_norm(input, self.running_mean if tracked else None, self.running_var if tracked else None,
-                               self.weight, self.bias, factor, self.eps)
+        return mode.batch_norm(input, running_mean if tracked else None, running_var if tracked else None,
+                               weight, bias, factor, self.eps)
     finally:
         _C._push_on_torch_function_stack(mode)
+
+
+def _tensors(layer: _BatchNorm) -> tuple[Any, ...]:
+    """The layer's running_mean, running_var, num_batches_tracked, weight and bias, as `layer.<name>` gives them.
+
+    Read from the module's tables, where torch's BatchNorm registers all five (None when off): each `layer.<name>`
+    is a call of Module.__getattr__, which at every BatchNorm call of every micro-batch weighs on a model of small
+    layers. A layer that lost one (`del layer.running_mean`) reads them as torch's forward does, buffers only when
+    it tracks running statistics."""
+    buffers, parameters = layer._buffers, layer._parameters
+    try:
+        return (buffers["running_mean"], buffers["running_var"], buffers["num_batches_tracked"],
+                parameters["weight"], parameters["bias"])
+    except KeyError:
+        tracked = layer.track_running_stats
+        return (*(getattr(layer, name) if tracked else None for name in _BUFFERS), layer.weight, layer.bias)
+
+
+_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
