@@ -5,8 +5,9 @@ and attention-kernel switches, `set_checkpoint_early_stop`, and Python's warning
 a `with torch.autograd.detect_anomaly():` or `with torch.backends.mkldnn.flags(enabled=False):` in
 `loss_fn` sets one on entry and puts back on exit what it found. The layerwise schedule interleaves the
 micro-batches' forwards, so their exits would come out of order and leave the flags of whichever exited
-last. `flags()` reads them all, `set_flags()` sets those that differ: the coroutines swap them at
-each turn as they swap the thread's state (`threadstate`), and each micro-batch runs in its own.
+last. `GETTERS` read them all (`threadstate.Modes` reads them with the thread's modes), `set_flags()` sets
+those that differ: the coroutines swap them at each turn as they swap the thread's state (`threadstate`), and
+each micro-batch runs in its own.
 
 Only flags that torch reads back as they were set are taken (the legacy TF32 getters refuse to answer once
 the new precision API has been used: the precisions are read through that API).
@@ -23,7 +24,7 @@ import torch.autograd.graph
 import torch.backends.mha
 import torch.utils.checkpoint
 
-__all__ = ["flags", "set_flags"]
+__all__ = ["GETTERS", "set_flags"]
 
 _C = torch._C
 
@@ -85,22 +86,8 @@ def _available() -> list[tuple[Callable[[], Any], Callable[[Any], None]]]:
 
 
 _PAIRS = _available()
-_GETTERS = tuple(get for get, _ in _PAIRS)
+GETTERS = tuple(get for get, _ in _PAIRS)  # each flag's getter: `Modes.current` reads them with the thread's modes
 _SETTERS = tuple(set_ for _, set_ in _PAIRS)
-
-
-_last: list[tuple[Any, ...]] = [()]
-
-
-def flags() -> tuple[Any, ...]:
-    """The process-wide flags' values now (module doc). Read at every switch between micro-batches, where they
-    rarely change: the same values come as the same tuple object, which later comparisons pass at identity."""
-    now = tuple([get() for get in _GETTERS])
-    last = _last[0]
-    if now == last:
-        return last
-    _last[0] = now
-    return now
 
 
 def set_flags(value: tuple[Any, ...], current: tuple[Any, ...]) -> None:

@@ -17,11 +17,12 @@ from asyncio.events import _get_running_loop as _running_loop
 from asyncio.events import _set_running_loop
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 
-from .flags import flags, set_flags
+from .flags import GETTERS, set_flags
 
 __all__ = ["ThreadState", "Modes", "autocast_cache_off"]
 
@@ -29,7 +30,12 @@ _C = torch._C
 _get_eval_frame = _C._dynamo.eval_frame.get_eval_frame_callback
 _set_eval_frame = _C._dynamo.eval_frame.set_eval_frame
 
-_last_modes: list[Any] = [()]  # the modes read last, on any thread: an equal read returns that object
+# What `Modes.current` reads, in order: the thread's modes, then the process's flags (`flags.GETTERS`).
+_READS = (_C.is_grad_enabled, _C._is_fwd_grad_enabled,
+          partial(torch.is_autocast_enabled, "cpu"), partial(torch.get_autocast_dtype, "cpu"),
+          partial(torch.is_autocast_enabled, "cuda"), partial(torch.get_autocast_dtype, "cuda"),
+          torch.is_autocast_cache_enabled, _C._is_multithreading_enabled, _C._is_view_replay_enabled, *GETTERS)
+_last_modes: list[Any] = [((), None)]  # the values read last, on any thread, and the Modes made of them
 
 
 class Modes(NamedTuple):
@@ -50,17 +56,16 @@ class Modes(NamedTuple):
 
     @classmethod
     def current(cls) -> Modes:
-        """The thread's modes now. Read at every BatchNorm call, where they rarely change: the same modes come as
-        the same object (as `flags()` does), which the comparisons of the calls and the swaps pass at identity."""
-        now = (_C.is_grad_enabled(), _C._is_fwd_grad_enabled(),
-               (("cpu", torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
-                ("cuda", torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))),
-               torch.is_autocast_cache_enabled(), (_C._is_multithreading_enabled(), _C._is_view_replay_enabled()),
-               flags())
-        last = _last_modes[0]
-        if now == last:
-            return last
-        modes = _last_modes[0] = cls(*now)
+        """The thread's modes now. Read at every BatchNorm call, where they rarely change: the same values come as
+        the same object, which the comparisons of the calls and the swaps pass at identity. One flat read of every
+        value, compared with the last in C, is the cheapest way to tell."""
+        values = tuple([read() for read in _READS])
+        last, modes = _last_modes[0]
+        if values == last:
+            return modes
+        modes = cls(values[0], values[1], (("cpu", *values[2:4]), ("cuda", *values[4:6])), values[6], values[7:9],
+                    values[9:])
+        _last_modes[0] = (values, modes)
         return modes
 
     def apply(self, current: Modes) -> None:
