@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -20,15 +21,19 @@ from _steps import NoFloor, compiled_model, first_step, is_compiled
 from _table import Times
 
 
-def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device) -> float:
-    model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    step(model)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+def timed(model: nn.Module, step: Callable[[nn.Module], None], device: torch.device, steps: int = 1) -> float:
+    """Seconds per step of `steps` steps, each from fresh gradients (set to None, untimed)."""
+    total = 0.0
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(model)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        total += time.perf_counter() - start
+    return total / steps
 
 
 def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module, args: argparse.Namespace,
@@ -43,11 +48,11 @@ def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module,
     first: dict[str, float] = {}
     failed: dict[str, str] = {}
 
-    def attempt(m: str) -> float | None:
+    def attempt(m: str, repeats: int = 1) -> float | None:
         if m in failed:
             return None
         try:
-            return timed(models[m], steps[m], device)
+            return timed(models[m], steps[m], device, repeats)
         except NoFloor as e:
             failed[m] = "n/a"
             print(f"note: {label} {m}: {e}", file=sys.stderr, flush=True)
@@ -63,9 +68,19 @@ def time_methods(steps: dict[str, Callable[[nn.Module], None]], base: nn.Module,
             if t is not None:
                 first[m] = t
     order = list(steps)
+    repeats = steps_per_round(first.get(order[0]), args.min_round_ms)
     for r in range(args.rounds):
         # Every other round in reverse order: a method gains nothing from its place in the round.
         for m in order if r % 2 == 0 else order[::-1]:
             passes = schedule_of(m) == "passes"
-            times[m].append(attempt(m) if not passes or r < args.passes_rounds else None)
+            times[m].append(attempt(m, repeats) if not passes or r < args.passes_rounds else None)
     return Times({m: failed.get(m, times[m]) for m in steps}, first)
+
+
+def steps_per_round(plain_first: float | None, min_round_ms: float) -> int:
+    """How many steps each method takes in a round: enough that plain's take --min-round-ms (estimated from its
+    first, untimed step), the same for every method. One step of a small model is over before the machine's noise
+    averages out; more of them per round steady each round's ratio, and the median over rounds stays unbiased."""
+    if plain_first is None or plain_first <= 0:
+        return 1
+    return max(1, math.ceil(min_round_ms / 1000 / plain_first))

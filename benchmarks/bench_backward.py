@@ -41,7 +41,9 @@ The full table gives, each figure beside its ratio to plain's:
              at --memory-threads threads; saved and host MiB are the runs' medians too
   time       each schedule's time over plain's at each of --threads: rounds interleaved so that machine noise
              hits all alike, every other round in reverse order, the ratio the median over rounds of the
-             round's time over plain's (the machine's speed drifts; a ratio within one round cancels it)
+             round's time over plain's (the machine's speed drifts; a ratio within one round cancels it); with
+             --min-round-ms, each method's time in a round is the mean of as many steps as plain needs to fill
+             that long (the same number for every method), which steadies the rounds of small models
   saved MiB  the peak of autograd's live saved tensors in the step, weights left out
   host MiB   what a host store (store=None on CUDA) would move per step: the saved tensors, there and back
 
@@ -142,6 +144,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", default="1,2", help="torch threads of the timed runs, comma-separated")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of plain and each schedule (0: no timing)")
     p.add_argument("--passes-rounds", type=int, default=1, help="timed rounds of passes (slow on deep nets)")
+    p.add_argument("--min-round-ms", type=float, default=0.0, metavar="MS",
+                   help="in each round, every method takes as many steps as plain needs to take MS milliseconds, "
+                        "its time the mean per step (default 0: one step each)")
     p.add_argument("--skip-passes-over", type=int, default=20, metavar="N",
                    help="skip passes (2L+1 passes) for models with more than N BatchNorm calls (default 20)")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True,
@@ -170,9 +175,10 @@ def parse_args() -> argparse.Namespace:
     except ValueError as e:
         p.error(f"--schedules: {e}")
     args.threads = parse_list(p, "--threads", args.threads, [], int)
-    if args.rounds < 0 or args.passes_rounds < 0 or any(t < 1 for t in [*args.threads, args.memory_threads,
-                                                                          args.peak_runs]):
-        p.error("--rounds and --passes-rounds must be >= 0, --memory-threads, --peak-runs and each of --threads >= 1")
+    if args.rounds < 0 or args.passes_rounds < 0 or args.min_round_ms < 0 or any(
+            t < 1 for t in [*args.threads, args.memory_threads, args.peak_runs]):
+        p.error("--rounds, --passes-rounds and --min-round-ms must be >= 0, --memory-threads, --peak-runs and each of "
+                "--threads >= 1")
     if args.plot:
         if not (args.memory and args.rounds and args.threads):
             p.error("--plot draws peak against time: it needs both measured (--memory, --rounds >= 1)")
@@ -188,7 +194,8 @@ def parse_args() -> argparse.Namespace:
 
 def header(args: argparse.Namespace, allocator: str) -> str:
     where = f"{args.device}, {allocator}"
-    timing = (f"time: median of {args.rounds} interleaved rounds ({args.passes_rounds} for passes) at "
+    steady = f", each at least {args.min_round_ms:g} ms of plain's steps" if args.min_round_ms else ""
+    timing = (f"time: median of {args.rounds} interleaved rounds ({args.passes_rounds} for passes){steady} at "
               f"{', '.join(map(str, args.threads))} threads" if args.rounds else "time: not measured")
     memory = (f"memory: the median of {args.peak_runs} fresh processes per configuration, {args.memory_threads} "
               "thread(s), peak " + ("resident" if args.device == "cpu" else "allocated") + " above the pre-step level"
