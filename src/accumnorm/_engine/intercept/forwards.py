@@ -38,7 +38,6 @@ from .calls import NormCalls
 __all__ = ["CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards"]
 
 _C = torch._C
-_eval_frame_callback = _C._dynamo.eval_frame.get_eval_frame_callback
 
 # torch's layers whose forward is a functional call or two, none of them a batch or instance norm: exact classes
 # only (a subclass's forward is anyone's).
@@ -118,12 +117,8 @@ def _batch_norm_forward(self: _BatchNorm, input: Tensor) -> Tensor:  # noqa: A00
 
     Inside a higher-order op's body (`torch.cond`'s, ...), which dynamo traces without the step's mode, the untraced
     call cannot be traced: it fails there, and `higher_order` refuses the step, naming the op."""
-    if torch.compiler.is_compiling():
-        if _no_batch_statistics(self):
-            return _BatchNorm.forward(self, input)
-        return untraced.call(_batch_norm_in_step)(self, input)
-    if _eval_frame_callback() is None:  # eager, outside any compiled frame: nothing for the wrapper to switch off
-        return _batch_norm_in_step(self, input)
+    if torch.compiler.is_compiling() and _no_batch_statistics(self):
+        return _BatchNorm.forward(self, input)
     return untraced.call(_batch_norm_in_step)(self, input)
 
 

@@ -32,6 +32,7 @@ __all__ = ["REASON", "call", "prepared", "skip_frames", "untraced", "wrap"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _REGISTERED: list[Callable[..., Any]] = []
 _SKIPPED: set[CodeType] = set()
 _DISABLED: dict[Callable[..., Any], Callable[..., Any]] = {}  # each registered function, disabled, once prepared
@@ -75,8 +76,13 @@ def prepared() -> bool:
     return _prepared
 
 
+@skip_frames
 def call(fn: F) -> F:
-    """`fn` as code that may be compiled calls it: untraced, once prepared (else as it is)."""
+    """`fn` as code that may be compiled calls it: untraced, once prepared, where dynamo traces the caller or a
+    compiled frame's callback is set; as it is in eager code outside any compiled frame, where the disabled
+    version's wrapper would switch off nothing and only cost a hot path its time."""
+    if not torch.compiler.is_compiling() and _eval_frame_callback() is None:
+        return fn
     return _DISABLED.get(fn, fn)
 
 
