@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import accumnorm
 
-EXACT_SCHEDULES = ("layerwise", "recompute", "passes")
+EXACT_SCHEDULES = ("layerwise", "recompute", "segments", "passes")
 STEP_SCHEDULES = (*EXACT_SCHEDULES, "auto")  # every value of `schedule` a step takes
 
 

@@ -169,8 +169,10 @@ def test_state_shared_across_a_batch_norm_call_is_exact_or_refused(schedule_any,
         expected = whole_batch(ref, batch, lambda m, b: batch_loss_fn(forward_fn(m, b[0]), b[1]))
         outcome = exact_or_refused(ref, ours, batch[0], schedule_any, expected, forward_fn=forward_fn,
                                    batch_loss_fn=batch_loss_fn, targets=batch[1])
-    if schedule_any == "passes" or case == "hook after the last BatchNorm":
-        assert outcome == "exact"  # each micro-batch's forward alone, or no BatchNorm call between write and read
+    # Each micro-batch's forward alone, or no BatchNorm call between write and read; but under segments a region's
+    # exit is a meeting point too, and the stash is written inside the region and read after it.
+    if schedule_any == "passes" or (case == "hook after the last BatchNorm" and schedule_any != "segments"):
+        assert outcome == "exact"
 
 
 class KeepsInput(nn.Module):

@@ -13,7 +13,7 @@ __all__ = ["Batch", "BNMode", "Schedule", "check_args", "check_compile_options",
 
 Batch = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 BNMode = Literal["exact", "micro"]
-Schedule = Literal["auto", "layerwise", "recompute", "passes"]
+Schedule = Literal["auto", "layerwise", "recompute", "segments", "passes"]
 
 
 def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedule: Any, *, forward_fn: Any = None,

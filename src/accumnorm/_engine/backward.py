@@ -92,7 +92,9 @@ def backward(
             saved tensors in `store`. "recompute": layerwise with the model cut into checkpointed regions
             (``torch.utils.checkpoint``, made exact): it keeps the regions' inputs of the whole batch and the
             outputs of their costliest convolutions, and recomputes the rest in the backward, at most one
-            forward more (see docs/schedules.md).
+            forward more (see docs/schedules.md). "segments": as recompute, but each region's backward
+            recomputes one micro-batch at a time (one pass per BatchNorm call in the region, and one more), so
+            that it never holds a region's recomputation for the whole batch; "auto" does not choose it.
             "passes": 2L + 1 passes for L BatchNorm calls, the memory of one micro-batch. "auto": the first of
             layerwise, recompute and passes whose memory fits `memory_budget`, judged from this model's
             figures (measured at its first step, which runs metered and stops before it passes the budget);

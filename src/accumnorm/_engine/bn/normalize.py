@@ -11,6 +11,7 @@ they make is a function of the input alone (`sums_term`), whatever piece of the 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -95,6 +96,12 @@ class GradSums:
     def add(self, sum_dy: Tensor, sum_dy_xhat: Tensor) -> None:
         self.sum_dy += sum_dy
         self.sum_dy_xhat += sum_dy_xhat
+
+    def finish(self, sum_: Callable[[Tensor], Tensor]) -> None:
+        """The sums are complete on this process: summed across ranks (`sum_`), and from now on used, not collected."""
+        both = sum_(torch.cat([self.sum_dy, self.sum_dy_xhat]))
+        self.sum_dy, self.sum_dy_xhat = both.chunk(2)
+        self.collect = False
 
     def correction(self, x: Tensor, mean: Tensor, inv: Tensor, scale_: Tensor) -> Tensor:
         """What the exact backward adds to the uncorrected one, dy * scale, at input `x` (in the statistics' dtype):

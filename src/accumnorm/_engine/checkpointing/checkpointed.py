@@ -21,7 +21,7 @@ import operator
 import types
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -33,19 +33,15 @@ from torch.utils.checkpoint import checkpoint
 
 from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
-from .frames import forward_regions, in_recomputation, in_region
+from .frames import RegionStateChanged, forward_regions, in_recomputation, in_region
 from .regions import Region, Run, record_saved, region_modules
 
-__all__ = ["RegionState", "RegionStateChanged", "checkpointed"]
+__all__ = ["RegionCall", "RegionState", "RegionStateChanged", "checkpointed", "patched"]
 
 _STEP_STATE = ("running_mean", "running_var", "num_batches_tracked")  # a BatchNorm's, kept by the step itself
 
 
 Own = Callable[[Any, "Region"], None]  # told of each region call's checkpoint frame in the forward
-
-
-class RegionStateChanged(Exception):
-    """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
 
 
 def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
@@ -65,8 +61,7 @@ def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
     return saved / max(1, rows)
 
 
-@untraced.untraced
-def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *,
                  own: Own) -> Any:
     """`forward(*args, **kwargs)` in a checkpointed region. The arguments go in as their tensors, which the region
     saves, and a structure built afresh around them: a list the caller appends to after the call (DenseNet's
@@ -157,17 +152,26 @@ def _top_hooks(pack: Callable[..., Any]) -> Iterator[None]:
         hooks._push_saved_tensors_default_hooks(top_pack, top_unpack)
 
 
-def _module_forward(own: Own) -> Callable[..., Any]:
-    """A module region's forward: its class's, checkpointed."""
+RegionCall = Callable[["Region", Callable[..., Any], tuple, dict], Any]  # (region, its forward, args, kwargs)
+
+
+@untraced.untraced
+def _run(call: RegionCall, region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A region's call, which code that may be compiled makes untraced."""
+    return call(region, forward, args, kwargs)
+
+
+def _module_forward(call: RegionCall) -> Callable[..., Any]:
+    """A module region's forward: its class's, run by `call`."""
     @untraced.skip_frames
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return untraced.call(_region_call)(self, types.MethodType(type(self).forward, self), args, kwargs, own)
+        return untraced.call(_run)(call, self, types.MethodType(type(self).forward, self), args, kwargs)
     return forward
 
 
-def _sequential_forward(runs: list[Run], own: Own) -> Callable[..., Any]:
-    """torch's `nn.Sequential.forward` with `runs` of its children each called in one checkpointed region: every
-    child is called as torch calls it (its hooks run), on the output of the one before."""
+def _sequential_forward(runs: list[Run], call: RegionCall) -> Callable[..., Any]:
+    """torch's `nn.Sequential.forward` with `runs` of its children each run by one `call`: every child is called as
+    torch calls it (its hooks run), on the output of the one before."""
     @untraced.skip_frames
     def forward(self: nn.Sequential, input: Any) -> Any:  # noqa: A002 - torch's name
         children = list(self._modules.values())
@@ -175,8 +179,7 @@ def _sequential_forward(runs: list[Run], own: Own) -> Callable[..., Any]:
         for run in runs:
             for child in children[done:run.start]:
                 input = child(input)
-            input = untraced.call(_region_call)(run, functools.partial(_call_in_turn, run.children()), (input,), {},
-                                                own)
+            input = untraced.call(_run)(call, run, functools.partial(_call_in_turn, run.children()), (input,), {})
             done = run.stop
         for child in children[done:]:
             input = child(input)
@@ -190,24 +193,30 @@ def _call_in_turn(children: list[nn.Module], input: Any) -> Any:
     return input
 
 
-@contextmanager
-def checkpointed(regions: list[Region], own: Own) -> Iterator[None]:
+def checkpointed(regions: list[Region], own: Own) -> AbstractContextManager[None]:
     """The regions' forwards checkpointed until the block ends: a module region's own forward, and the forward of
     the `nn.Sequential` that holds a run. `own(frame, region)` learns of each checkpoint frame they make."""
+    return patched(regions, functools.partial(_region_call, own=own))
+
+
+@contextmanager
+def patched(regions: list[Region], call: RegionCall) -> Iterator[None]:
+    """Each region's forward run by `call(region, forward, args, kwargs)` until the block ends: a module region's
+    own forward, and the forward of the `nn.Sequential` that holds a run."""
     runs: dict[nn.Sequential, list[Run]] = {}
     for r in regions:
         if isinstance(r, Run):
             runs.setdefault(r.parent, []).append(r)
-    patched = [m for m in regions if isinstance(m, nn.Module)] + list(runs)
+    modules = [m for m in regions if isinstance(m, nn.Module)] + list(runs)
     for m in regions:
         if isinstance(m, nn.Module):
-            m.forward = types.MethodType(_module_forward(own), m)
+            m.forward = types.MethodType(_module_forward(call), m)
     for seq, its_runs in runs.items():
-        seq.forward = types.MethodType(_sequential_forward(sorted(its_runs, key=lambda r: r.start), own), seq)
+        seq.forward = types.MethodType(_sequential_forward(sorted(its_runs, key=lambda r: r.start), call), seq)
     try:
         yield
     finally:
-        for m in patched:
+        for m in modules:
             vars(m).pop("forward", None)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["forward_regions", "in_recomputation", "in_region"]
+import torch
+
+__all__ = ["RegionStateChanged", "forward_regions", "in_recomputation", "in_region", "in_segment", "keeping_nothing"]
 
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
 _RECOMPUTE_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
@@ -47,3 +49,28 @@ def forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
                                "holds no recompute_fn: it cannot make BatchNorm inside the region exact")
         frames.append(frame)
     return frames
+
+
+def _keep_nothing(t: Any) -> None:
+    """A segments region's pack hook: its forward keeps no tensor for a backward (`segmented`)."""
+    return None
+
+
+def _nothing_kept(_: Any) -> Any:
+    raise RegionStateChanged(
+        "the segments schedule keeps nothing of a region's forward, but a backward reached a tensor made inside a "
+        "region by another way than the region's outputs (a hook's or module's stash): its gradient would be lost")
+
+
+class RegionStateChanged(Exception):
+    """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
+
+
+def keeping_nothing() -> Any:
+    """Saved-tensor hooks that keep nothing: a segments region's forward, whose backward is its recomputation."""
+    return torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _nothing_kept)
+
+
+def in_segment(hooks: tuple[tuple[Any, Any], ...]) -> bool:
+    """Whether a point with these saved-tensor hooks is inside the forward of a segments region."""
+    return any(pack is _keep_nothing for pack, _ in hooks)

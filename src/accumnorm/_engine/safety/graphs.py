@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Graphs"]
+__all__ = ["BATCH_NORM_NODES", "Graphs"]
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 
@@ -50,7 +50,7 @@ def _leaf_cast(node: Any) -> bool:
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # a leaf's node
 
 # Autograd's nodes of the batch-norm ops that normalize with batch statistics when `training` (saved) is true.
-_BATCH_NORM_NODES = frozenset({
+BATCH_NORM_NODES = frozenset({
     "NativeBatchNormBackward0", "CudnnBatchNormBackward0", "MiopenBatchNormBackward0", "NativeBatchNormLegitBackward0",
     "NativeBatchNormLegitBackward1", "BatchNormWithUpdateBackward0",
 })
@@ -65,7 +65,7 @@ class Graphs:
         self.owners: list[int | None] = []  # and whose span it is (None: the driver's, between turns)
         # A node whose outputs are the micro-batches' rows -> (output -> its micro-batch, what the rows are)
         self.rows: dict[Any, tuple[dict[int, int | None], str]] = {}
-        self.pieces: dict[Any, Sequence[Edge | None]] = {}  # a met call's node -> each micro-batch's input
+        self.pieces: dict[Any, Sequence[Sequence[Edge]]] = {}  # a met node -> each micro-batch's inputs
         self.seen: set[Any] = set()  # the batch-norm nodes of the instance norms the step saw (one sample each)
         for k, micro_batch in enumerate(micro_batches):
             for t in tree_leaves(micro_batch):
@@ -93,13 +93,22 @@ class Graphs:
         node = outputs[0].grad_fn
         if node is not None:
             self.rows[node] = ({y.output_nr: k for k, y in enumerate(outputs)}, "its rows of a BatchNorm call's output")
-            self.pieces[node] = [_edge(x) for x in inputs]
+            self.pieces[node] = [[e] if (e := _edge(x)) is not None else [] for x in inputs]
+
+    def met_region(self, outputs: Sequence[Sequence[Tensor]], inputs: Sequence[Sequence[Tensor]]) -> None:
+        """A met region (the segments schedule's): `outputs[k]`, micro-batch k's outputs of its node, from `inputs[k]`,
+        its arguments."""
+        node = next((y.grad_fn for ys in outputs for y in ys if y.grad_fn is not None), None)
+        if node is not None:
+            self.rows[node] = ({y.output_nr: k for k, ys in enumerate(outputs) for y in ys},
+                               "its outputs of a region of the segments schedule")
+            self.pieces[node] = [[e for x in xs if (e := _edge(x)) is not None] for xs in inputs]
 
     def instance_norm(self, output: Tensor) -> None:
         """An instance norm the step saw: torch computes it as a batch norm over a view of one sample."""
         node = output.grad_fn
         for _ in range(2):  # its output is a view of the batch norm's
-            if node is None or type(node).__name__ in _BATCH_NORM_NODES:
+            if node is None or type(node).__name__ in BATCH_NORM_NODES:
                 break
             node = node.next_functions[0][0] if node.next_functions else None
         if node is not None:
@@ -133,9 +142,8 @@ class Graphs:
                 shared.append((k, node, rows[0][output]))
                 continue
             piece = pieces.get(node)
-            if piece is not None:  # a met call, every micro-batch's: on at this micro-batch's piece only
-                if piece[k] is not None:
-                    stack.append(piece[k])
+            if piece is not None:  # a met node, every micro-batch's: on at this micro-batch's pieces only
+                stack.extend(piece[k])
                 continue
             first = walked.get(node)  # the micro-batch whose walk reached it first
             if first == k:
@@ -149,7 +157,7 @@ class Graphs:
             if first is not None:
                 continue
             walked[node] = k
-            if type(node).__name__ in _BATCH_NORM_NODES and getattr(node, "_saved_training", True) \
+            if type(node).__name__ in BATCH_NORM_NODES and getattr(node, "_saved_training", True) \
                     and node not in seen:
                 self._unseen(k, node)
             stack.extend(node.next_functions)

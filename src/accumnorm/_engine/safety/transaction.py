@@ -70,6 +70,10 @@ class Transaction:
             self._take(_leaves(roots))
         torch.autograd.backward(roots, grad_tensors, inputs=inputs)
 
+    def join(self, leaves: Sequence[Tensor]) -> None:
+        """Leaves a backward of the step's will write a gradient to: those outside the model join the transaction."""
+        self._take(leaves)
+
     def _take(self, leaves: Sequence[Tensor]) -> None:
         for leaf in leaves:
             if leaf.is_leaf and id(leaf) not in self._known:

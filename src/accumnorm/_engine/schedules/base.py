@@ -6,8 +6,8 @@ at each BatchNorm call (`step.meeting`, `step.ledger`). It fills `step.losses`. 
 tensors saved for the backward, when that is not where they are made: saved-tensor hooks (`memory.store`, or
 "auto"'s `memory.budget.Meter`, which also stops a step that would pass its budget), or None.
 
-Each schedule says what "auto" may make of it (`exact`, `metered`, `remeasured`); `registry` lists them in the
-order "auto" tries them, and `decide` chooses.
+Each schedule says what "auto" may make of it (`automatic`, `exact`, `metered`, `remeasured`); `registry` lists
+them in the order "auto" tries them, and `decide` chooses.
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ class Schedule(ABC):
     name: ClassVar[str]
     #: whether it makes BatchNorm exact for any model (not only for one without batch statistics).
     exact: ClassVar[bool] = True
+    #: whether "auto" may choose it at all.
+    automatic: ClassVar[bool] = True
     #: whether it keeps its saved tensors through `store`, so that "auto" can meter it and stop it at its budget;
     #: a schedule that cannot be metered is "auto"'s last resort.
     metered: ClassVar[bool] = True

@@ -108,12 +108,12 @@ def _asked_for(schedule: Schedule, step: Step, new_step: Callable[[], Step], sto
 
 def _by_memory() -> list[Schedule]:
     """The exact schedules "auto" judges by memory, fastest first."""
-    return [s for s in SCHEDULES.values() if s.exact and s.metered]
+    return [s for s in SCHEDULES.values() if s.automatic and s.exact and s.metered]
 
 
 def _last_resort() -> Schedule:
     """The exact schedule that keeps least, which "auto" runs when no other fits: the table's unmetered one."""
-    return next(s for s in SCHEDULES.values() if s.exact and not s.metered)
+    return next(s for s in SCHEDULES.values() if s.automatic and s.exact and not s.metered)
 
 
 def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_over: Callable[[Step], None],

@@ -34,6 +34,8 @@ from typing import Any
 import greenlet
 from torch import Tensor
 
+from ..checkpointing.frames import in_segment
+from ..checkpointing.segmented import RegionExit, SegmentedRegions
 from ..intercept.calls import BNCall, INCall
 from ..memory.budget import Meter
 from ..memory.store import Store
@@ -48,13 +50,16 @@ __all__ = ["Layerwise", "lockstep"]
 class _Lockstep:
     """The driver and the K coroutines of one step (module doc)."""
 
-    def __init__(self, step: Step, store: Store | Meter | None, before_backward: Callable[[], None] | None) -> None:
-        self.step, self.store, self.before_backward = step, store, before_backward
+    def __init__(self, step: Step, store: Store | Meter | None, before_backward: Callable[[], None] | None,
+                 segments: SegmentedRegions | None) -> None:
+        self.step, self.store, self.before_backward, self.segments = step, store, before_backward, segments
         self.driver = greenlet.getcurrent()
         self.coroutines: list[greenlet.greenlet] = []
         self.current: int | None = None  # the micro-batch whose forward runs now
         self.instance_norms = [0] * len(step.micro_batches)  # InstanceNorm calls each micro-batch made so far
         self.base: ThreadState | None = None  # the driver's state, which every coroutine returns to when it pauses
+        if segments is not None:
+            segments.attach(self)
 
     def run(self) -> None:
         try:
@@ -83,8 +88,15 @@ class _Lockstep:
             g.gr_context = context.copy()  # contextvars as the caller's, but each coroutine's own
         try:
             ends = [self._resume(k, k) for k in k_all]
-            index = 0
-            while any(isinstance(end, BNCall) for end in ends):
+            index = exits = 0
+            while any(isinstance(end, (BNCall, RegionExit)) for end in ends):
+                if any(isinstance(end, RegionExit) for end in ends):  # the segments schedule's regions
+                    if any(isinstance(end, BNCall) for end in ends):  # raises: not all at a BatchNorm call
+                        step.meeting.check_same([end if isinstance(end, BNCall) else None for end in ends], index)
+                    outputs = self.segments.meet(ends, exits)
+                    exits += 1
+                    ends = [self._resume(k, outputs[k]) for k in k_all]
+                    continue
                 calls = [end if isinstance(end, BNCall) else None for end in ends]
                 if None in calls:
                     step.meeting.check_same(calls, index)  # raises: not all at a BatchNorm call
@@ -94,6 +106,8 @@ class _Lockstep:
                     outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(
                         calls[0], index, self._running, alone=len(outputs) == 1))
                 step.graphs.met(outputs, [c.input for c in calls])
+                if self.segments is not None:  # a backward through a region this call is in is refused as through it
+                    self.segments.refusal = step.inner_backward_refusal(calls[0], index, self._running)
                 index += 1
                 ends = self._resume_all(calls, outputs, replay)
         except BaseException:
@@ -178,20 +192,30 @@ class _Lockstep:
             raise RuntimeError(f"bn='exact' met a BatchNorm call outside the micro-batches' forwards "
                                f"({self.step.describe(call)})")
         own = ThreadState.capture(call.modes)
-        call.saved_tensor_hooks = own.saved_tensor_hooks
+        call.saved_tensor_hooks = hooks = own.saved_tensor_hooks
+        y, replay = self._pause(call, own)  # the driver comes back once all K have met, in its state
+        if hooks:  # in a checkpointed region, the region's recomputation gives the output again
+            self.step.regions.enter_forward_call(replay, hooks)
+            if self.segments is not None and in_segment(hooks):
+                self.segments.called(self.current, replay, hooks)
+        return y
+
+    def pause(self, value: Any) -> Any:
+        """Pause the running micro-batch at `value` (a met point) until the driver resumes it; what it sends."""
+        return self._pause(value, ThreadState.capture())
+
+    def _pause(self, value: Any, own: ThreadState) -> Any:
         swap = own != self.base  # else (the usual case) this micro-batch runs in the driver's state: nothing to swap
         try:
             if swap:
                 self.base.apply(own)
-            y, replay = self.driver.switch(call)  # the driver comes back once all K have met, in its state
+            sent = self.driver.switch(value)
         except BaseException:  # unwound by the driver: back to this micro-batch's state, from wherever it is
             own.apply(ThreadState.capture())
             raise
         if swap:
             own.apply(self.base)
-        if own.saved_tensor_hooks:  # in a checkpointed region, the region's recomputation gives the output again
-            self.step.regions.enter_forward_call(replay, own.saved_tensor_hooks)
-        return y
+        return sent
 
     def _instance_norm(self, call: INCall) -> Tensor:
         k = self.current
@@ -213,10 +237,12 @@ class _Lockstep:
         self.base.apply(ThreadState.capture())
 
 
-def lockstep(step: Step, store: Store | Meter | None, before_backward: Callable[[], None] | None = None) -> None:
+def lockstep(step: Step, store: Store | Meter | None, before_backward: Callable[[], None] | None = None,
+             segments: SegmentedRegions | None = None) -> None:
     """Exact BatchNorm with the micro-batches in lockstep (module doc); fills `step.losses` and the step's calls.
-    `before_backward()` runs once the forwards are over, before the backward (a check that may raise)."""
-    _Lockstep(step, store, before_backward).run()
+    `before_backward()` runs once the forwards are over, before the backward (a check that may raise); `segments`:
+    the segments schedule's regions, whose exits are met points too."""
+    _Lockstep(step, store, before_backward, segments).run()
 
 
 class Layerwise(Schedule):

@@ -236,10 +236,7 @@ class _Passes:
 
     def _finish_sums(self, call: _PassCall) -> None:
         """Call's sums are complete on this rank: reduce them across ranks and switch it to exact backward."""
-        sums = call.sums
-        both = self.step.collectives.sum_(torch.cat([sums.sum_dy, sums.sum_dy_xhat]))
-        sums.sum_dy, sums.sum_dy_xhat = both.chunk(2)
-        sums.collect = False
+        call.sums.finish(self.step.collectives.sum_)
 
     def _sums_pass(self, j: int) -> None:
         self.mode, self.target = self.SUMS, j

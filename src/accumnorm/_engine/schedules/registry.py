@@ -1,4 +1,5 @@
-"""The one table of schedules, in the order "auto" tries them: the fastest first, the leanest last.
+"""The one table of schedules, in the order "auto" tries them: the fastest first, the leanest last; then those
+"auto" does not choose.
 
 Adding a schedule is one module with a `Schedule` subclass and one entry here.
 """
@@ -9,7 +10,8 @@ from .layerwise import Layerwise
 from .passes import Passes
 from .plain import Plain
 from .recompute import Recompute
+from .segments import Segments
 
 __all__ = ["SCHEDULES"]
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (Plain(), Layerwise(), Recompute(), Passes())}
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (Plain(), Layerwise(), Recompute(), Passes(), Segments())}

@@ -23,7 +23,7 @@ from ...functional import Moments, combine_moments, moments
 from ..bn.pieces import normalize_pieces
 from ..bn.replay import CallReplay
 from ..bn.whole import normalize_whole
-from ..checkpointing.frames import in_region
+from ..checkpointing.frames import in_region, in_segment
 from ..intercept.calls import BNCall, describe
 from ..safety.threadstate import Modes
 from .ledger import Ledger
@@ -56,7 +56,8 @@ class Meeting:
                 def across_ranks(x: Tensor) -> Moments:
                     return ledger.move_now(first, self.joint_moments([moments(x)]))
             inputs = [c.input for c in calls]
-            if any(c.saved_tensor_hooks and in_region(c.saved_tensor_hooks) for c in calls):
+            if any(c.saved_tensor_hooks and (in_region(c.saved_tensor_hooks) or in_segment(c.saved_tensor_hooks))
+                   for c in calls):
                 outputs, stats = normalize_pieces(first, inputs, [c.saved_tensor_hooks for c in calls], momentum,
                                                   across_ranks, reduce_sums)
                 return outputs, CallReplay(first, first.input, None, stats, outputs[0].requires_grad, keeps_input=True)

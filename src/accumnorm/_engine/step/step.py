@@ -56,6 +56,7 @@ class Step:
         # torch.autograd.backward, for every backward a schedule runs: the leaves it reaches outside the model join
         # the step's transaction first.
         self.backward = transaction.backward
+        self.join = transaction.join  # leaves a backward of the step's own will reach: those outside the model join
         self.modules = transaction.names  # every module of the model, once, with its name (`tree.module_names`)
         self.parameters = transaction.all_params  # every parameter of those modules, once (`tree.parameters`)
         self.names = Names(self.modules)

@@ -1,0 +1,240 @@
+"""The backward of a segments region: each micro-batch's region recomputed alone, in one pass per BatchNorm call.
+
+A region's node (`RegionNode`) joins the K micro-batches' arguments to their outputs. Autograd calls its backward
+once every micro-batch's gradient at the outputs is in. The forward fixed every BatchNorm call's whole-batch
+statistics, so each micro-batch can recompute the region alone, with those statistics as constants
+(`bn.normalize.normalize`); but a call's input gradient needs the whole batch's backward sums at the call, sum(dy)
+and sum(dy * x_hat), which need every micro-batch's gradient at its output. So, with the calls in the region's order
+(a call's output feeds later calls only):
+
+  1. for each call t from the last: every micro-batch recomputes the region and back-propagates from its outputs
+     to call t's input, cut there; the calls after t are exact (their sums are complete), and call t adds its
+     micro-batch's share to its sums, which are then summed across ranks;
+  2. a last pass: every micro-batch recomputes the region, exact, and back-propagates to its arguments (the node's
+     input gradients), the parameters, and any other leaf the region reaches (which joins the step's transaction).
+
+Each pass replays the micro-batch's random stream and modes from the region's entry; only one micro-batch's
+recomputation lives at a time. The last pass checks what the forward would have: each output against the
+forward's fingerprint (`RegionStateChanged` where state shared between micro-batches, or randomness outside
+torch's generators, made it differ), its graph for a batch norm the step did not make, and for a tensor with a
+graph made outside the region (a closure's), whose gradient would go where the step's backward goes too.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_leaves
+
+from ..bn.normalize import GradSums, normalize, normalize_with
+from ..bn.replay import CallReplay
+from ..intercept.calls import BNCall, INCall, NormCalls
+from ..safety.graphs import BATCH_NORM_NODES
+from ..safety.threadstate import Modes, autocast_cache_off
+from .frames import RegionStateChanged
+from .regions import region_modules
+
+__all__ = ["RegionNode", "RegionPasses", "fingerprint"]
+
+_next_sequence_nr = torch._C._autograd._get_sequence_nr
+
+
+def fingerprint(outputs: list[Tensor]) -> list[Tensor]:
+    """Two numbers per output, the sum of its values and of their magnitudes, in float64: what the last pass's
+    recomputation must give again."""
+    with torch.no_grad():
+        return [torch.stack([o.double().sum(), o.double().abs().sum()]) for o in outputs]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 1e-2
+
+
+class RegionNode(torch.autograd.Function):
+    """One region's call over the K micro-batches: their arguments to their outputs (module doc)."""
+
+    @staticmethod
+    def forward(ctx, passes, *inputs):  # type: ignore[override]
+        ctx.passes = passes
+        return tuple(passes.take_outputs())
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):  # type: ignore[override]
+        grads_in = ctx.passes.backward(list(grads))
+        return (None, *grads_in, *[None] * (len(ctx.needs_input_grad) - 1 - len(grads_in)))
+
+
+class RegionPasses:
+    """One region's call by the K micro-batches (`entries`, each a `segmented.Entry`) and its backward (module
+    doc). `step`: the step (`step.Step`); `outputs[k]`: micro-batch k's outputs, without their graph."""
+
+    def __init__(self, step: Any, entries: list[Any], outputs: list[list[Tensor]]) -> None:
+        self.step, self.entries, self.outputs = step, entries, outputs
+        self.calls: list[CallReplay] = entries[0].calls  # every micro-batch's calls share their replays
+        self.counts = [len(o) for o in outputs]
+        # The BatchNorm layers whose call counters each recomputation's forwards count up again: put back after it,
+        # with the step's count of the calls it saw, so that a layer's own factor from its counter is the forward's.
+        self.counted = [d for m in region_modules(entries[0].region) for d in m.modules()
+                        if isinstance(d, _BatchNorm) and d._buffers.get("num_batches_tracked") is not None]
+
+    def take_outputs(self) -> list[Tensor]:
+        outputs, self.outputs = self.outputs, None
+        return [o for os in outputs for o in os]
+
+    def node(self, running: Callable[[], int | None]) -> list[list[Tensor]]:
+        """The node over the K micro-batches: each one's outputs of it. A backward through it while a micro-batch's
+        forward runs (`running()`: that one, or None) is refused."""
+        inputs = [e.leaves[i] for e in self.entries for i in e.tensors]
+        # The region's parameters too, which its backward accumulates into themselves: a backward into them alone
+        # (`inputs=`) then reaches the node; and a region over the model's input makes outputs that require grad.
+        inputs += [p for m in region_modules(self.entries[0].region) for p in m.parameters() if p.requires_grad]
+        if not any(x.requires_grad for x in inputs):
+            inputs.append(torch.empty(0, requires_grad=True))
+        flat = list(RegionNode.apply(self, *inputs))
+        if flat and flat[0].grad_fn is not None:
+            refusal = self.entries[0].refusal
+            flat[0].grad_fn.register_prehook(refusal if refusal is not None else self._refusal(running))
+        out, start = [], 0
+        for n in self.counts:
+            out.append(flat[start:start + n])
+            start += n
+        return out
+
+    def _refusal(self, running: Callable[[], int | None]) -> Callable[[Any], None]:
+        def refuse(grad_outputs: Any) -> None:
+            k = running()
+            if k is not None:
+                raise ValueError(
+                    f"bn='exact': micro-batch {k} ran a backward (a .backward() or torch.autograd.grad in your "
+                    "function) through a region of the segments schedule while the micro-batches' forwards were "
+                    "still running. The region's backward needs every micro-batch's gradient at its outputs, which "
+                    "no micro-batch has alone. Nothing was changed. For a loss of the whole batch's outputs use "
+                    "forward_fn and batch_loss_fn; else leave the inner backward out, or use schedule='layerwise'")
+        return refuse
+
+    def backward(self, grads: list[Tensor]) -> list[Tensor | None]:
+        """The input gradients of every micro-batch's arguments, in the node's order (module doc)."""
+        entries = self.entries
+        dys, start = [], 0
+        for n in self.counts:
+            dys.append(grads[start:start + n])
+            start += n
+        sums = [GradSums(c.stats.mean.shape[0], c.stats.count) for c in self.calls]
+        for t in reversed(range(len(self.calls))):
+            for entry, dy in zip(entries, dys):
+                outputs, _, cut = self._recompute(entry, sums, t)
+                if cut is not None and outputs:
+                    torch.autograd.grad(outputs, [cut], dy, allow_unused=True)
+                del outputs, cut
+            sums[t].finish(self.step.collectives.sum_)
+        grads_in: list[Tensor | None] = []
+        for k, (entry, dy) in enumerate(zip(entries, dys)):
+            start = _next_sequence_nr()
+            outputs, inputs, _ = self._recompute(entry, sums, None)
+            self._check_outputs(k, entry, outputs)
+            wanted = [x for x in inputs if x.requires_grad]
+            others = self._leaves(outputs, start, {id(x) for x in inputs})
+            self.step.join(others)
+            if outputs and (wanted or others):
+                torch.autograd.backward(outputs, dy, inputs=wanted + others)
+            grads_in.extend(x.grad for x in inputs)
+        return grads_in
+
+    def _recompute(self, entry: Any, sums: list[GradSums], target: int | None
+                   ) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
+        """Micro-batch `entry`'s region again: its outputs that need a gradient, its arguments (new leaves), and the
+        cut input of call `target` (None: the last pass, every call exact)."""
+        args, kwargs, inputs = entry.arguments()
+        calls, index, cut = self.calls, [0], [None]
+
+        def batch_norm(call: BNCall) -> Tensor:
+            i = index[0]
+            index[0] += 1
+            if i >= len(calls):
+                raise ValueError("bn='exact': a region's recomputation made more BatchNorm calls than its forward; "
+                                 "the region's function must make the same calls each time")
+            stats, x = calls[i].stats, call.input
+            if target is not None and i < target:  # below the pass's cut: a constant
+                return normalize_with(x.detach(), stats.mean, stats.var, call.weight, call.bias, call.eps)
+            if i == target:
+                x = cut[0] = x.detach().requires_grad_()
+            return normalize(x, stats.mean, stats.var, call.weight, call.bias, call.eps, sums[i])
+
+        generators = self.step.rng.generators
+        before, counters = [g.get_state() for g in generators], self._counters()
+        for g, state in zip(generators, entry.rng):
+            g.set_state(state)
+        try:
+            with entry.modes.entered(Modes.current()), autocast_cache_off(), \
+                    NormCalls(batch_norm, INCall.output, self.step.watch):
+                out = entry.forward(*args, **kwargs)
+        finally:
+            for g, state in zip(generators, before):
+                g.set_state(state)
+            self._put_back(counters)
+        if index[0] != len(calls):
+            raise ValueError("bn='exact': a region's recomputation made fewer BatchNorm calls than its forward; the "
+                             "region's function must make the same calls each time")
+        outputs = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
+        return outputs, inputs, cut[0]
+
+    def _counters(self) -> list[tuple[Tensor, int]]:
+        seen = self.step.watch.seen
+        return [(m._buffers["num_batches_tracked"].clone(), seen[m]) for m in self.counted]
+
+    def _put_back(self, counters: list[tuple[Tensor, int]]) -> None:
+        watch = self.step.watch
+        with torch.no_grad():
+            for m, (value, seen) in zip(self.counted, counters):
+                counter = m._buffers["num_batches_tracked"]
+                counter.copy_(value)
+                watch.seen[m] = seen
+                if m in watch.versions:
+                    watch.versions[m] = counter._version
+
+    def _check_outputs(self, k: int, entry: Any, outputs: list[Tensor]) -> None:
+        """The last pass's outputs must be the forward's (module doc)."""
+        again = fingerprint(outputs)
+        if len(again) == len(entry.sample) and all(
+                bool(torch.allclose(a, b, rtol=_tolerance(o.dtype), atol=0.0))
+                for a, b, o in zip(again, entry.sample, outputs)):
+            return
+        raise RegionStateChanged(
+            f"the segments schedule runs a region's forward again in the backward, but micro-batch {k}'s "
+            "recomputation gave other outputs than its forward (state shared between micro-batches, or randomness "
+            "outside torch's generators): it would not be exact")
+
+    def _leaves(self, outputs: list[Tensor], start: int, own: set[int]) -> list[Tensor]:
+        """The leaves the last pass's graph reaches, other than the region's arguments: refused where the graph
+        leaves the recomputation by a tensor made outside it, or holds a batch norm the step did not make."""
+        found, seen = [], set()
+        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        end = _next_sequence_nr()
+        while stack:
+            node = stack.pop()
+            leaf = getattr(node, "variable", None)
+            if leaf is not None:
+                if id(leaf) not in own:
+                    found.append(leaf)
+                continue
+            if not start <= node._sequence_nr() < end:
+                raise RegionStateChanged(
+                    "the segments schedule recomputes each region alone in the backward, but a region's forward used "
+                    "a tensor with a graph made outside it (kept in a closure or an attribute, not passed as an "
+                    "argument): its gradient would reach that graph twice")
+            if type(node).__name__ in BATCH_NORM_NODES and getattr(node, "_saved_training", True) and \
+                    node not in self.step.graphs.seen:
+                raise ValueError(
+                    f"bn='exact' found in a region's graph a batch norm with batch statistics that it did not see "
+                    f"({type(node).__name__}): a call below F.batch_norm (torch.native_batch_norm, an aten op), in "
+                    "TorchScript or in C++ normalized with one micro-batch's statistics. Nothing was changed. Call "
+                    "F.batch_norm or a BatchNorm layer from Python, or pass bn='micro'")
+            for nxt, _ in node.next_functions:
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return found

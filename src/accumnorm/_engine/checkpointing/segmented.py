@@ -1,0 +1,181 @@
+"""The segments schedule's regions: each keeps its arguments alone, and the micro-batches meet at its exit.
+
+For the length of a step (`SegmentedRegions.patched`), each region (`regions`: a module, or a run of an
+`nn.Sequential`'s children) runs its forward, in each micro-batch's coroutine, under saved-tensor hooks that keep
+nothing. The micro-batches still meet at every BatchNorm call inside it (whole-batch statistics, running statistics
+moved once). Of its forward the region keeps only its arguments, the micro-batch's random-stream state and modes at
+its entry, and the statistics of the calls it made (`Entry`). At its exit the K micro-batches meet once more
+(`RegionExit`): one autograd node over the K joins every micro-batch's arguments to its outputs, and its backward
+recomputes each micro-batch's region alone (`region_passes`).
+
+So the step holds the regions' arguments of the whole batch, what runs outside regions, and in the backward one
+micro-batch's recomputation of one region, where recompute holds every micro-batch's at once.
+
+A region call runs as it is without grad, inside another region (the step's, or a checkpoint of the user's), and
+with one micro-batch. A forward that changes its arguments in place is refused (`RegionStateChanged`), so that the
+step can start over under layerwise.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from ..bn.replay import CallReplay
+from ..safety.threadstate import Modes, saved_tensor_hooks
+from .checkpointed import RegionState, patched
+from .frames import RegionStateChanged, in_recomputation, in_region, in_segment, keeping_nothing
+from .region_passes import RegionPasses, fingerprint
+from .regions import Region, region_modules
+
+__all__ = ["Entry", "RegionExit", "SegmentedRegions"]
+
+
+@dataclass(eq=False)
+class Entry:
+    """What one micro-batch's call of a region keeps for its recomputation."""
+
+    region: Region
+    forward: Callable[..., Any]
+    leaves: list[Any]  # the call's arguments, flattened
+    spec: TreeSpec
+    tensors: list[int]  # the positions of the tensors among `leaves`
+    rng: list[Tensor]  # the micro-batch's random-stream state at the call, per generator
+    modes: Modes
+    calls: list[CallReplay] = field(default_factory=list)  # the met BatchNorm calls it made, in order
+    sample: list[Tensor] = field(default_factory=list)  # its outputs' fingerprints
+    refusal: Callable[[Any], None] | None = None  # of a backward through its last BatchNorm call (`Step`)
+
+    def arguments(self) -> tuple[tuple, dict, list[Tensor]]:
+        """The call's arguments again, each tensor a new leaf (requiring grad where it did): args, kwargs, leaves."""
+        leaves, inputs = list(self.leaves), []
+        for i in self.tensors:
+            t = leaves[i]
+            leaves[i] = x = t.detach().requires_grad_(t.requires_grad)
+            inputs.append(x)
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return args, kwargs, inputs
+
+
+@dataclass(eq=False)
+class RegionExit:
+    """A micro-batch at the end of a region's call: its outputs (without their forward's graph), to meet."""
+
+    entry: Entry
+    outputs: list[Tensor]
+
+
+class SegmentedRegions:
+    """The regions of one segments step (module doc)."""
+
+    def __init__(self, step: Any, regions: list[Region]) -> None:  # step: the step (`step.Step`)
+        self.step, self.regions = step, regions
+        self.open: list[Entry | None] = [None] * len(step.micro_batches)  # each micro-batch's region call, if any
+        self.lockstep: Any = None  # the lockstep that runs the forwards (`attach`)
+        self.state: RegionState | None = None
+        self.refusal: Callable[[Any], None] | None = None  # the last met call's refusal of a backward through it
+
+    def patched(self) -> Iterator[None]:
+        """The regions' forwards run by `call` until the block ends."""
+        return patched(self.regions, self.call)
+
+    def attach(self, lockstep: Any) -> None:
+        """The lockstep whose micro-batches call the regions: its running micro-batch, and its pause."""
+        self.lockstep = lockstep
+        self.state = RegionState(self.regions)
+
+    def close(self) -> None:
+        """Let go of the lockstep and the last call's refusal, which hold each other and this (a cycle)."""
+        self.lockstep = self.refusal = None
+
+    def changed(self) -> str | None:
+        """What a forward changed in the regions' modules, which their recomputation would not see; None if nothing."""
+        return None if self.state is None else self.state.changed(self.step.names)
+
+    def called(self, k: int, replay: CallReplay, hooks: tuple[tuple[Any, Any], ...]) -> None:
+        """A met BatchNorm call of micro-batch k inside its region (`hooks`: the saved-tensor hooks at the call)."""
+        if in_region(hooks):
+            raise RegionStateChanged(
+                "the segments schedule recomputes a region alone in the backward, but a BatchNorm call in it runs "
+                "inside a torch.utils.checkpoint of your own, whose recomputation torch runs outside the step")
+        entry = self.open[k]
+        if entry is not None:
+            entry.calls.append(replay)
+            entry.refusal = self.refusal
+
+    def call(self, region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A region's call in a micro-batch's forward (module doc)."""
+        k = None if self.lockstep is None else self.lockstep.current
+        hooks = saved_tensor_hooks()
+        if k is None or self.open[k] is not None or len(self.open) == 1 or not torch.is_grad_enabled() or \
+                in_region(hooks) or in_recomputation(hooks) or in_segment(hooks):
+            return forward(*args, **kwargs)
+        self.state.called(region)
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        versions = [leaves[i]._version for i in tensors]
+        entry = Entry(region, forward, leaves, spec, tensors, [g.get_state() for g in self.step.rng.generators],
+                      Modes.current())
+        self.open[k] = entry
+        try:
+            with keeping_nothing():
+                out = forward(*args, **kwargs)
+        finally:
+            self.open[k] = None
+        after, after_spec = tree_flatten((args, kwargs))
+        if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
+                a is not b for a, b in zip(after, leaves)):
+            raise RegionStateChanged(
+                f"the segments schedule runs a region's forward again in the backward, but the forward of "
+                f"{type(region_modules(region)[0]).__name__} changed its arguments in place: its recomputation "
+                "would not be exact")
+        out_leaves, out_spec = tree_flatten(out)
+        del out
+        positions = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor) and t.requires_grad]
+        outputs = [out_leaves[i].detach() for i in positions]
+        for i in positions:  # the forward's graph of the region goes
+            out_leaves[i] = None
+        entry.sample = fingerprint(outputs)
+        given = self.lockstep.pause(RegionExit(entry, outputs))
+        del outputs
+        for i, t in zip(positions, given):
+            out_leaves[i] = t
+        return tree_unflatten(out_leaves, out_spec)
+
+    def meet(self, ends: list[Any], index: int) -> list[list[Tensor]]:
+        """The K micro-batches at a region's exit (the step's `index`-th): each one's outputs of one node over the K,
+        whose backward is the region's passes."""
+        i, first = next((i, end) for i, end in enumerate(ends) if isinstance(end, RegionExit))
+        for k, end in enumerate(ends):
+            problem = _differs(first, end)
+            if problem is not None:
+                raise ValueError(
+                    f"bn='exact' needs every micro-batch to make the same calls in the same order, but micro-batch {k} "
+                    f"{problem} where micro-batch {i} was at the exit of a region "
+                    f"({type(region_modules(first.entry.region)[0]).__name__}, the step's region call {index}). "
+                    "Nothing was changed. Make every micro-batch's forward make the same calls, or use "
+                    "schedule='layerwise'")
+        passes = RegionPasses(self.step, [end.entry for end in ends], [end.outputs for end in ends])
+        outputs = passes.node(self._running)
+        self.step.graphs.met_region(outputs, [[e.entry.leaves[i] for i in e.entry.tensors] for e in ends])
+        return outputs
+
+    def _running(self) -> int | None:
+        return None if self.lockstep is None else self.lockstep.current
+
+
+def _differs(first: RegionExit, end: Any) -> str | None:
+    """How a micro-batch's end of a turn differs from another's region exit, if it does."""
+    if not isinstance(end, RegionExit):
+        return "had ended its forward"
+    if end.entry.region is not first.entry.region:
+        return "was at the exit of another region"
+    if [(o.shape[1:], o.dtype) for o in end.outputs] != [(o.shape[1:], o.dtype) for o in first.outputs]:
+        return "left the region with outputs of other shapes or dtypes"
+    if len(end.entry.calls) != len(first.entry.calls):
+        return f"made {len(end.entry.calls)} BatchNorm calls in the region"
+    return None

@@ -1,0 +1,50 @@
+"""The segments schedule: layerwise, with each region's forward keeping nothing and its backward run alone.
+
+Recompute keeps the regions' inputs of the whole batch and, in the backward, one region's recomputation for all K
+micro-batches at once: a met BatchNorm call's backward needs every piece. Here the micro-batches also meet at each
+region's exit (`checkpointing.segmented`), and the region's backward recomputes one micro-batch at a time, in one
+pass per BatchNorm call of the region and a last one (`checkpointing.region_passes`): the step holds the regions'
+arguments of the whole batch and one micro-batch's recomputation of one region. It runs each region's forward
+once per BatchNorm call in it, plus two.
+
+A step whose forward changed a region's state is refused before its backward (`RegionStateChanged`), so that the
+step can start over under layerwise; so is one whose recomputation gives other outputs, in the backward.
+"""
+from __future__ import annotations
+
+from ..checkpointing.checkpointed import RegionStateChanged
+from ..checkpointing.regions import choose_regions
+from ..checkpointing.segmented import SegmentedRegions
+from ..memory.budget import Meter
+from ..memory.store import Store
+from ..step.step import Step
+from .base import Schedule
+from .layerwise import lockstep
+
+__all__ = ["Segments"]
+
+
+class Segments(Schedule):
+    """Exact BatchNorm in lockstep, each region recomputed one micro-batch at a time in its backward (module doc).
+
+    Not one of "auto"'s choices: its meter would not count the backward's recomputation.
+    """
+
+    name = "segments"
+    metered = False
+    automatic = False
+
+    def run(self, step: Step, store: Store | Meter | None) -> None:
+        regions = SegmentedRegions(step, choose_regions(step.model))
+
+        def before_backward() -> None:
+            problem = regions.changed()
+            if problem is not None:
+                raise RegionStateChanged(f"the segments schedule runs a region's forward again in the backward, but "
+                                         f"in the forward {problem}: its recomputation would not be exact")
+
+        with regions.patched():
+            try:
+                lockstep(step, store, before_backward=before_backward, segments=regions)
+            finally:
+                regions.close()
