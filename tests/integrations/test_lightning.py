@@ -165,7 +165,7 @@ def test_the_mixin_after_lightning_module_in_the_bases_is_refused_when_the_class
     (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
     (dict(micro_batch_size=2, bn="exactly"), ValueError, "bn must be one of ('exact', 'micro'), got 'exactly'"),
     (dict(micro_batch_size=2, schedule="fast"), ValueError,
-     "schedule must be one of ('auto', 'layerwise', 'recompute', 'passes')"),
+     "schedule must be one of ('auto', 'layerwise', 'recompute', 'segments', 'passes')"),
     (dict(micro_batch_size=2, store=3), TypeError, "store must be None, 'cpu' or a torch.device, got int 3"),
 ])
 def test_bad_arguments_fail_when_the_module_is_made(options, error, message):

@@ -49,7 +49,7 @@ def _unchanged(trainer, before):
     (dict(micro_batch_size=True), TypeError, "micro_batch_size must be an int, got bool True"),
     (dict(bn="exactly"), ValueError, r"bn must be one of \('exact', 'micro'\), got 'exactly'"),
     (dict(schedule="fast"), ValueError,
-     r"schedule must be one of \('auto', 'layerwise', 'recompute', 'passes'\), got 'fast'"),
+     r"schedule must be one of \('auto', 'layerwise', 'recompute', 'segments', 'passes'\), got 'fast'"),
     (dict(store="disk"), ValueError, "store must be None, 'cpu' or a torch.device, got the string 'disk'"),
 ])
 def test_trainer_and_load_refuse_what_backward_would_refuse(tmp_path, kwargs, error, message):
