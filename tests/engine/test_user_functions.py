@@ -494,7 +494,8 @@ def test_batch_loss_fn_that_differentiates_is_exact_or_refused(schedule_any, cas
         assert schedule_any != "layerwise", e
         assert re.search(r"Nothing was changed", str(e)) and re.search(
             r"torch\.autograd\.grad with respect to the model's parameter head\.weight|a backward inside "
-            r"batch_loss_fn .* reached the outputs|a second backward through a BatchNorm call", str(e)), e
+            r"batch_loss_fn .* reached the outputs|a second backward through a (BatchNorm call|region of the segments "
+            r"schedule)", str(e)), e
         assert_unchanged(ours, snap)
         return
     assert rel_err(loss, expected) <= 1e-9

@@ -32,6 +32,19 @@ def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedul
         raise ValueError(f"schedule must be one of {get_args(Schedule)}, got {schedule!r}")
 
 
+def check_keep_every(keep_every: Any, schedule: Any) -> None:
+    """`keep_every`, the segments schedule's setting: None, or an int >= 1 given with schedule="segments"."""
+    if keep_every is None:
+        return
+    if isinstance(keep_every, bool) or not isinstance(keep_every, int):
+        raise TypeError(f"keep_every must be an int, got {type(keep_every).__name__} {keep_every!r}")
+    if keep_every < 1:
+        raise ValueError(f"keep_every must be >= 1, got {keep_every}")
+    if schedule != "segments":
+        raise ValueError(f"keep_every is the segments schedule's setting, but schedule is {schedule!r}: pass "
+                         "schedule='segments' with it, or leave it out")
+
+
 def check_compile_options(options: Any, bn: Any, name: str = "compile") -> None:
     """Keyword arguments for `torch.compile` that the Trainer or an integration compiles the model with (`name` says
     whose, in the messages): None, or a dict that `torch.compile` takes and that a step can keep exact. Checked before

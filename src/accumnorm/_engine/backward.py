@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from .._dist import Collectives, unwrap_ddp
-from .args import Batch, BNMode, Schedule, check_args, check_step_args, split
+from .args import Batch, BNMode, Schedule, check_args, check_keep_every, check_step_args, split
 from .intercept.forwards import step_forwards
 from .intercept.higher_order import higher_order_ops_in_step, refused_in
 from .lazy_eps import warn_large_eps
@@ -59,6 +59,7 @@ def backward(
     process_group: Any = None,
     grad_scaler: torch.amp.GradScaler | None = None,
     memory_budget: int | None = None,
+    keep_every: int | None = None,
 ) -> Tensor:
     """Accumulate into `.grad` the gradient of the loss over `batch`, running the model one micro-batch at a time.
 
@@ -109,6 +110,10 @@ def backward(
         memory_budget: the bytes "auto" lets a step keep for its backward (saved tensors and gradients); a
             positive int. Default: None, a tenth less than the free memory of the model's device (on the CPU,
             the available memory the kernel reports).
+        keep_every: the segments schedule's setting (with schedule="segments" only). Where regions form a chain,
+            each one's output the next one's argument, the arguments of one region in `keep_every` are kept; the
+            others are recomputed in the backward from the last kept ones, a region forward more for each region
+            between (less memory, more time); 1 keeps them all. Default: None, which is 2.
 
     Returns:
         The whole batch's loss, detached. On any error (an exception in your functions, a non-finite loss, a
@@ -154,6 +159,7 @@ def backward(
                targets=targets)
     check_step_args(grad_scaler, process_group, whole_batch_loss=batch_loss_fn is not None)
     check_budget(memory_budget)
+    check_keep_every(keep_every, schedule)
     store_device = resolve_store(store)
     micro_batches, sizes = split(batch, micro_batch_size)
     if memory_budget is not None:
@@ -179,7 +185,7 @@ def backward(
     # before the last moment a Ctrl-C can still undo the step.
     return _transaction(StepCall(model, micro_batches, objective, collectives, exact), names,
                         lambda new_step, start_over: run_step(new_step, schedule, store_hooks, start_over, sum(sizes),
-                                                              budget))
+                                                              budget, keep_every))
 
 
 # The frames a step puts between the caller and the model's forward (the driver, a coroutine's start, each

@@ -64,7 +64,14 @@ class RegionNode(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):  # type: ignore[override]
-        grads_in = ctx.passes.backward(list(grads))
+        passes, ctx.passes = ctx.passes, None  # the region's arguments go with its one backward
+        if passes is None:
+            raise ValueError(
+                "bn='exact': a second backward through a region of the segments schedule (a backward with "
+                "retain_graph=True before the step's own, in batch_loss_fn or a hook). The region keeps its arguments "
+                "for one backward, the step's. Nothing was changed. Add that backward's term to the loss you return "
+                "instead, or use schedule='layerwise'")
+        grads_in = passes.backward(list(grads))
         return (None, *grads_in, *[None] * (len(ctx.needs_input_grad) - 1 - len(grads_in)))
 
 
@@ -76,6 +83,7 @@ class RegionPasses:
         self.step, self.entries, self.outputs = step, entries, outputs
         self.calls: list[CallReplay] = entries[0].calls  # every micro-batch's calls share their replays
         self.counts = [len(o) for o in outputs]
+        self.depth = 0  # how many regions below this one let go of their arguments (`segmented`)
         # The BatchNorm layers whose call counters each recomputation's forwards count up again: put back after it,
         # with the step's count of the calls it saw, so that a layer's own factor from its counter is the forward's.
         self.counted = [d for m in region_modules(entries[0].region) for d in m.modules()
@@ -118,23 +126,28 @@ class RegionPasses:
 
     def backward(self, grads: list[Tensor]) -> list[Tensor | None]:
         """The input gradients of every micro-batch's arguments, in the node's order (module doc)."""
-        entries = self.entries
+        entries, self.entries = self.entries, None
         dys, start = [], 0
         for n in self.counts:
             dys.append(grads[start:start + n])
             start += n
+        # Each micro-batch's arguments: kept, or recomputed from the last kept ones below (`segmented`), for this
+        # backward only.
+        values = [self._arguments(entry, k) for k, entry in enumerate(entries)]
         sums = [GradSums(c.stats.mean.shape[0], c.stats.count) for c in self.calls]
         for t in reversed(range(len(self.calls))):
-            for entry, dy in zip(entries, dys):
-                outputs, _, cut = self._recompute(entry, sums, t)
+            for entry, given, dy in zip(entries, values, dys):
+                outputs, _, cut = self._recompute(entry, given, sums, t)
                 if cut is not None and outputs:
                     torch.autograd.grad(outputs, [cut], dy, allow_unused=True)
                 del outputs, cut
             sums[t].finish(self.step.collectives.sum_)
         grads_in: list[Tensor | None] = []
         for k, (entry, dy) in enumerate(zip(entries, dys)):
+            given, values[k] = values[k], None
             start = _next_sequence_nr()
-            outputs, inputs, _ = self._recompute(entry, sums, None)
+            outputs, inputs, _ = self._recompute(entry, given, sums, None)
+            del given
             self._check_outputs(k, entry, outputs)
             wanted = [x for x in inputs if x.requires_grad]
             others = self._leaves(outputs, start, {id(x) for x in inputs})
@@ -144,11 +157,31 @@ class RegionPasses:
             grads_in.extend(x.grad for x in inputs)
         return grads_in
 
-    def _recompute(self, entry: Any, sums: list[GradSums], target: int | None
+    def _arguments(self, entry: Any, k: int) -> list[Tensor]:
+        """Micro-batch k's tensor arguments of the region: those its entry keeps, the others recomputed."""
+        return [entry.leaves[i] if i not in entry.sources else entry.sources[i][0].output_again(k, entry.sources[i][1])
+                for i in entry.tensors]
+
+    def output_again(self, k: int, j: int) -> Tensor:
+        """Micro-batch k's output j of the region, recomputed without grad (for a region whose argument it is, and
+        which did not keep it): every call with its whole-batch statistics, as in the forward."""
+        entry = self.entries[k]
+        with torch.no_grad():
+            outputs, _, _ = self._recompute(entry, self._arguments(entry, k), None, len(self.calls))
+        if not torch.allclose(fingerprint([outputs[j]])[0], entry.sample[j], rtol=_tolerance(outputs[j].dtype),
+                              atol=0.0):
+            raise RegionStateChanged(
+                f"the segments schedule recomputes a region's output for the region after it, but micro-batch {k}'s "
+                "recomputation gave another output than its forward (state shared between micro-batches, or "
+                "randomness outside torch's generators): it would not be exact")
+        return outputs[j]
+
+    def _recompute(self, entry: Any, given: list[Tensor], sums: list[GradSums] | None, target: int | None
                    ) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
-        """Micro-batch `entry`'s region again: its outputs that need a gradient, its arguments (new leaves), and the
-        cut input of call `target` (None: the last pass, every call exact)."""
-        args, kwargs, inputs = entry.arguments()
+        """Micro-batch `entry`'s region again, from its tensor arguments `given`: its outputs that need a gradient
+        (as in the forward), its arguments (new leaves), and the cut input of call `target` (None: the last pass,
+        every call exact; past the last call: no call back-propagates, for `output_again`)."""
+        args, kwargs, inputs = entry.arguments(given)
         calls, index, cut = self.calls, [0], [None]
 
         def batch_norm(call: BNCall) -> Tensor:
@@ -179,8 +212,8 @@ class RegionPasses:
         if index[0] != len(calls):
             raise ValueError("bn='exact': a region's recomputation made fewer BatchNorm calls than its forward; the "
                              "region's function must make the same calls each time")
-        outputs = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.requires_grad]
-        return outputs, inputs, cut[0]
+        leaves = tree_leaves(out)
+        return [leaves[i] for i in entry.positions], inputs, cut[0]
 
     def _counters(self) -> list[tuple[Tensor, int]]:
         seen = self.step.watch.seen

@@ -17,6 +17,7 @@ step can start over under layerwise.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,13 +50,19 @@ class Entry:
     calls: list[CallReplay] = field(default_factory=list)  # the met BatchNorm calls it made, in order
     sample: list[Tensor] = field(default_factory=list)  # its outputs' fingerprints
     refusal: Callable[[Any], None] | None = None  # of a backward through its last BatchNorm call (`Step`)
+    positions: list[int] = field(default_factory=list)  # which of the outputs' leaves the region's node gives
+    # argument position -> (the region before, whose output it is, and which output): what it can be recomputed from
+    sources: dict[int, tuple[RegionPasses, int]] = field(default_factory=dict)
 
-    def arguments(self) -> tuple[tuple, dict, list[Tensor]]:
-        """The call's arguments again, each tensor a new leaf (requiring grad where it did): args, kwargs, leaves."""
+    def __post_init__(self) -> None:
+        self.requires_grad = [self.leaves[i].requires_grad for i in self.tensors]
+
+    def arguments(self, given: list[Tensor]) -> tuple[tuple, dict, list[Tensor]]:
+        """The call's arguments again, its tensors `given` (one for each of `tensors`) each a new leaf, requiring
+        grad where the forward's did: args, kwargs, leaves."""
         leaves, inputs = list(self.leaves), []
-        for i in self.tensors:
-            t = leaves[i]
-            leaves[i] = x = t.detach().requires_grad_(t.requires_grad)
+        for i, t, grad in zip(self.tensors, given, self.requires_grad):
+            leaves[i] = x = t.detach().requires_grad_(grad)
             inputs.append(x)
         args, kwargs = tree_unflatten(leaves, self.spec)
         return args, kwargs, inputs
@@ -72,9 +79,13 @@ class RegionExit:
 class SegmentedRegions:
     """The regions of one segments step (module doc)."""
 
-    def __init__(self, step: Any, regions: list[Region]) -> None:  # step: the step (`step.Step`)
-        self.step, self.regions = step, regions
+    def __init__(self, step: Any, regions: list[Region], keep_every: int = 1) -> None:  # step: `step.Step`
+        self.step, self.regions, self.keep_every = step, regions, keep_every
         self.open: list[Entry | None] = [None] * len(step.micro_batches)  # each micro-batch's region call, if any
+        # Each micro-batch's outputs of the last region node it left, as (the node's passes, weak references to the
+        # outputs, their versions then): a region called on one of them, unchanged, can recompute it from there.
+        self.last: list[tuple[RegionPasses, list[weakref.ref], list[int]] | None] = [None] * len(step.micro_batches)
+        self.node: RegionPasses | None = None  # the last region node made
         self.lockstep: Any = None  # the lockstep that runs the forwards (`attach`)
         self.state: RegionState | None = None
         self.refusal: Callable[[Any], None] | None = None  # the last met call's refusal of a backward through it
@@ -90,7 +101,8 @@ class SegmentedRegions:
 
     def close(self) -> None:
         """Let go of the lockstep and the last call's refusal, which hold each other and this (a cycle)."""
-        self.lockstep = self.refusal = None
+        self.lockstep = self.refusal = self.node = None
+        self.last = [None] * len(self.last)
 
     def changed(self) -> str | None:
         """What a forward changed in the regions' modules, which their recomputation would not see; None if nothing."""
@@ -119,7 +131,7 @@ class SegmentedRegions:
         tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         versions = [leaves[i]._version for i in tensors]
         entry = Entry(region, forward, leaves, spec, tensors, [g.get_state() for g in self.step.rng.generators],
-                      Modes.current())
+                      Modes.current(), sources=self._sources(k, leaves, tensors))
         self.open[k] = entry
         try:
             with keeping_nothing():
@@ -139,9 +151,10 @@ class SegmentedRegions:
         outputs = [out_leaves[i].detach() for i in positions]
         for i in positions:  # the forward's graph of the region goes
             out_leaves[i] = None
-        entry.sample = fingerprint(outputs)
+        entry.sample, entry.positions = fingerprint(outputs), positions
         given = self.lockstep.pause(RegionExit(entry, outputs))
         del outputs
+        self.last[k] = (self.node, [weakref.ref(t) for t in given], [t._version for t in given])
         for i, t in zip(positions, given):
             out_leaves[i] = t
         return tree_unflatten(out_leaves, out_spec)
@@ -159,10 +172,44 @@ class SegmentedRegions:
                     f"({type(region_modules(first.entry.region)[0]).__name__}, the step's region call {index}). "
                     "Nothing was changed. Make every micro-batch's forward make the same calls, or use "
                     "schedule='layerwise'")
-        passes = RegionPasses(self.step, [end.entry for end in ends], [end.outputs for end in ends])
+        entries = [end.entry for end in ends]
+        passes = self.node = RegionPasses(self.step, entries, [end.outputs for end in ends])
         outputs = passes.node(self._running)
-        self.step.graphs.met_region(outputs, [[e.entry.leaves[i] for i in e.entry.tensors] for e in ends])
+        self.step.graphs.met_region(outputs, [[e.leaves[i] for i in e.tensors] for e in entries])
+        self._keep_or_drop(passes, entries)
         return outputs
+
+    def _sources(self, k: int, leaves: list[Any], tensors: list[int]) -> dict[int, tuple[RegionPasses, int]]:
+        """The arguments of micro-batch k's region call that are, unchanged, outputs of the last region node it
+        left: position -> (that node's passes, which output)."""
+        last = self.last[k]
+        if last is None:
+            return {}
+        passes, refs, versions = last
+        sources = {}
+        for i in tensors:
+            for j, (ref, version) in enumerate(zip(refs, versions)):
+                if ref() is leaves[i] and leaves[i]._version == version:
+                    sources[i] = (passes, j)
+                    break
+        return sources
+
+    def _keep_or_drop(self, passes: RegionPasses, entries: list[Entry]) -> None:
+        """Keep the region's arguments, or (every micro-batch's come from one region node, the chain from the last
+        kept ones is shorter than `keep_every`) let go of those the region before can give again."""
+        first = entries[0].sources
+        source = next(iter(first.values()))[0] if first else None
+        chained = source is not None and all(
+            e.sources.keys() == first.keys() and all(p is source for p, _ in e.sources.values()) for e in entries)
+        passes.depth = source.depth + 1 if chained else 0
+        if passes.depth % self.keep_every == 0:
+            passes.depth = 0
+            for e in entries:
+                e.sources = {}
+            return
+        for e in entries:
+            for i in e.sources:
+                e.leaves[i] = None
 
     def _running(self) -> int | None:
         return None if self.lockstep is None else self.lockstep.current

@@ -35,6 +35,10 @@ class Schedule(ABC):
     #: whether what it keeps depends on the last step's measurements, so that "auto" meters it at every step.
     remeasured: ClassVar[bool] = False
 
+    def setting(self) -> str:
+        """Its settings, said after what chose it (`last_schedule`): "" for none."""
+        return ""
+
     @abstractmethod
     def run(self, step: Step, store: Store | Meter | None) -> None:
         """Run `step` (module doc)."""

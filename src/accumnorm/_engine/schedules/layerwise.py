@@ -123,14 +123,15 @@ class _Lockstep:
             loss, scaled = step.objective.loss(concatenate(ends))
             step.losses.whole = loss.detach()
             return [scaled]
-        if index:  # before any backward: each micro-batch's graph is its own, but for the met calls
+        met = index + exits  # the met points: BatchNorm calls, and the segments schedule's region exits
+        if met:  # before any backward: each micro-batch's graph is its own, but for the met calls
             step.graphs.check(list(zip(k_all, ends)))
         roots = []
         for k, loss in zip(k_all, ends):
             step.losses.micro[k] = loss.detach()
             weighted = step.objective.weighted(loss, k)
-            if index == 0:
-                # No BatchNorm call at all: each graph is its own, and its backward frees it now, as plain
+            if met == 0:
+                # No met point at all: each graph is its own, and its backward frees it now, as plain
                 # accumulation would.
                 step.graphs.check([(k, loss)])
                 step.backward(weighted)

@@ -34,8 +34,17 @@ class Segments(Schedule):
     metered = False
     automatic = False
 
+    def __init__(self, keep_every: int = 2) -> None:
+        # Of a chain of regions, each one's output the next one's argument: the arguments of every keep_every-th
+        # stay, the others are recomputed in the backward from the last kept ones. Two by default: half the kept
+        # arguments for one region forward more in every other region's backward, against the region's passes.
+        self.keep_every = keep_every
+
+    def setting(self) -> str:
+        return f", keeping the arguments of one region in {self.keep_every} of a chain"
+
     def run(self, step: Step, store: Store | Meter | None) -> None:
-        regions = SegmentedRegions(step, choose_regions(step.model))
+        regions = SegmentedRegions(step, choose_regions(step.model), self.keep_every)
 
         def before_backward() -> None:
             problem = regions.changed()
