@@ -4,7 +4,8 @@ the recompute schedule makes of a model.
 `frames`: where a point stands against the regions (their forward, their recomputation); `recorded`: each
 region's BatchNorm calls recorded in the forward, and its recomputation made to give their outputs again;
 `regions`: which modules the recompute schedule checkpoints; `checkpointed`: their forwards checkpointed for a
-step; `kept`: the convolutions whose outputs the regions keep instead of recomputing them.
+step; `kept`: the convolutions whose outputs the regions keep instead of recomputing them; `segmented`: the
+segments schedule's regions, met at their exits; `region_passes`: their backward, one micro-batch at a time.
 
 Imports: the layers below (`bn`, `safety`, `memory`, `intercept`).
 """

@@ -51,6 +51,10 @@ def forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
     return frames
 
 
+class RegionStateChanged(Exception):
+    """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
+
+
 def _keep_nothing(t: Any) -> None:
     """A segments region's pack hook: its forward keeps no tensor for a backward (`segmented`)."""
     return None
@@ -60,10 +64,6 @@ def _nothing_kept(_: Any) -> Any:
     raise RegionStateChanged(
         "the segments schedule keeps nothing of a region's forward, but a backward reached a tensor made inside a "
         "region by another way than the region's outputs (a hook's or module's stash): its gradient would be lost")
-
-
-class RegionStateChanged(Exception):
-    """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
 
 
 def keeping_nothing() -> Any:
