@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_leaves
 
-from ..bn.normalize import GradSums, normalize, normalize_with
+from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
 from ..bn.replay import CallReplay
 from ..intercept.calls import BNCall, INCall, NormCalls
 from ..safety.graphs import BATCH_NORM_NODES
@@ -40,6 +40,14 @@ from .regions import region_modules
 __all__ = ["RegionNode", "RegionPasses", "fingerprint"]
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
+
+# The passes of a region's recomputation (`RegionPasses._recompute`): a call's backward sums, the last pass, a
+# call's correction, and its outputs again without grad.
+_SUMS, _LAST, _CORRECT, _AGAIN = "sums", "last", "correct", "again"
+
+
+class _Stop(BaseException):
+    """Ends a correction pass at its call. A BaseException, so that a forward's `except Exception` lets it by."""
 
 
 def fingerprint(outputs: list[Tensor]) -> list[Tensor]:
@@ -84,6 +92,9 @@ class RegionPasses:
         self.calls: list[CallReplay] = entries[0].calls  # every micro-batch's calls share their replays
         self.counts = [len(o) for o in outputs]
         self.depth = 0  # how many regions below this one let go of their arguments (`segmented`)
+        modules = [d for m in region_modules(entries[0].region) for d in m.modules()]
+        self.backward_hooks = bool(torch.nn.modules.module._global_backward_hooks) or any(
+            d._backward_hooks for d in modules)
         # The BatchNorm layers whose call counters each recomputation's forwards count up again: put back after it,
         # with the step's count of the calls it saw, so that a layer's own factor from its counter is the forward's.
         self.counted = [d for m in region_modules(entries[0].region) for d in m.modules()
@@ -135,27 +146,49 @@ class RegionPasses:
         # backward only.
         values = [self._arguments(entry, k) for k, entry in enumerate(entries)]
         sums = [GradSums(c.stats.mean.shape[0], c.stats.count) for c in self.calls]
-        for t in reversed(range(len(self.calls))):
+        # The calls from `split` up get a sums pass each; those below, a correction pass after the last pass (module
+        # doc). A module's full backward hook sees no gradient that enters its input without leaving its output, as
+        # a correction does: with one in the region, every call gets a sums pass.
+        split = 0 if self.backward_hooks else len(self.calls) // 2
+        for t in reversed(range(split, len(self.calls))):
             for entry, given, dy in zip(entries, values, dys):
-                outputs, _, cut = self._recompute(entry, given, sums, t)
+                outputs, _, cut = self._recompute(entry, given, sums, _SUMS, t)
                 if cut is not None and outputs:
                     torch.autograd.grad(outputs, [cut], dy, allow_unused=True)
                 del outputs, cut
             sums[t].finish(self.step.collectives.sum_)
-        grads_in: list[Tensor | None] = []
-        for k, (entry, dy) in enumerate(zip(entries, dys)):
-            given, values[k] = values[k], None
+        totals: list[list[Tensor | None]] = []
+        for k, (entry, given, dy) in enumerate(zip(entries, values, dys)):
             start = _next_sequence_nr()
-            outputs, inputs, _ = self._recompute(entry, given, sums, None)
-            del given
+            outputs, inputs, _ = self._recompute(entry, given, sums, _LAST, None)
             self._check_outputs(k, entry, outputs)
-            wanted = [x for x in inputs if x.requires_grad]
-            others = self._leaves(outputs, start, {id(x) for x in inputs})
-            self.step.join(others)
-            if outputs and (wanted or others):
-                torch.autograd.backward(outputs, dy, inputs=wanted + others)
-            grads_in.extend(x.grad for x in inputs)
-        return grads_in
+            totals.append(self._back_propagate(outputs, dy, inputs, start))
+        for t in reversed(range(split)):
+            sums[t].finish(self.step.collectives.sum_)
+            call = self.calls[t]
+            for entry, given, total in zip(entries, values, totals):
+                start = _next_sequence_nr()
+                _, inputs, x = self._recompute(entry, given, sums, _CORRECT, t)
+                if x is not None and x.requires_grad:
+                    mean, inv = call.stats.mean, invstd(call.stats.var, call.eps)
+                    correction = sums[t].correction(x.detach().to(mean.dtype), mean, inv, scale(inv, call.weight))
+                    for i, g in enumerate(self._back_propagate([x], [correction.to(x.dtype)], inputs, start)):
+                        if g is not None:
+                            total[i] = g if total[i] is None else total[i] + g
+                del x
+        return [g for total in totals for g in total]
+
+    def _back_propagate(self, roots: list[Tensor], grads: list[Tensor], inputs: list[Tensor],
+                        start: int) -> list[Tensor | None]:
+        """A recomputation's backward from `roots` to its arguments (`inputs`: their gradients, returned), the
+        parameters and any other leaf it reaches (which joins the step's transaction); `start`: the sequence number
+        before the recomputation."""
+        wanted = [x for x in inputs if x.requires_grad]
+        others = self._leaves(roots, start, {id(x) for x in inputs})
+        self.step.join(others)
+        if roots and (wanted or others):
+            torch.autograd.backward(roots, grads, inputs=wanted + others)
+        return [x.grad for x in inputs]
 
     def _arguments(self, entry: Any, k: int) -> list[Tensor]:
         """Micro-batch k's tensor arguments of the region: those its entry keeps, the others recomputed."""
@@ -167,7 +200,7 @@ class RegionPasses:
         which did not keep it): every call with its whole-batch statistics, as in the forward."""
         entry = self.entries[k]
         with torch.no_grad():
-            outputs, _, _ = self._recompute(entry, self._arguments(entry, k), None, len(self.calls))
+            outputs, _, _ = self._recompute(entry, self._arguments(entry, k), None, _AGAIN, None)
         if not torch.allclose(fingerprint([outputs[j]])[0], entry.sample[j], rtol=_tolerance(outputs[j].dtype),
                               atol=0.0):
             raise RegionStateChanged(
@@ -176,11 +209,11 @@ class RegionPasses:
                 "randomness outside torch's generators): it would not be exact")
         return outputs[j]
 
-    def _recompute(self, entry: Any, given: list[Tensor], sums: list[GradSums] | None, target: int | None
-                   ) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
-        """Micro-batch `entry`'s region again, from its tensor arguments `given`: its outputs that need a gradient
-        (as in the forward), its arguments (new leaves), and the cut input of call `target` (None: the last pass,
-        every call exact; past the last call: no call back-propagates, for `output_again`)."""
+    def _recompute(self, entry: Any, given: list[Tensor], sums: list[GradSums] | None, mode: str,
+                   target: int | None) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
+        """Micro-batch `entry`'s region again, from its tensor arguments `given`, in one of the passes (`mode`, at
+        call `target`): its outputs that need a gradient (as in the forward; none in a correction pass, stopped at
+        its call), its arguments (new leaves), and call `target`'s input (cut from below in a sums pass)."""
         args, kwargs, inputs = entry.arguments(given)
         calls, index, cut = self.calls, [0], [None]
 
@@ -191,9 +224,12 @@ class RegionPasses:
                 raise ValueError("bn='exact': a region's recomputation made more BatchNorm calls than its forward; "
                                  "the region's function must make the same calls each time")
             stats, x = calls[i].stats, call.input
-            if target is not None and i < target:  # below the pass's cut: a constant
+            if mode == _AGAIN or (mode == _SUMS and i < target):  # no gradient wanted from it: a constant
                 return normalize_with(x.detach(), stats.mean, stats.var, call.weight, call.bias, call.eps)
             if i == target:
+                if mode == _CORRECT:  # the pass has its call's input: the rest of the forward is not needed
+                    cut[0] = x
+                    raise _Stop
                 x = cut[0] = x.detach().requires_grad_()
             return normalize(x, stats.mean, stats.var, call.weight, call.bias, call.eps, sums[i])
 
@@ -205,6 +241,8 @@ class RegionPasses:
             with entry.modes.entered(Modes.current()), autocast_cache_off(), \
                     NormCalls(batch_norm, INCall.output, self.step.watch):
                 out = entry.forward(*args, **kwargs)
+        except _Stop:
+            return [], inputs, cut[0]
         finally:
             for g, state in zip(generators, before):
                 g.set_state(state)
