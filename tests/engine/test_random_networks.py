@@ -378,13 +378,14 @@ def test_random_networks_match_whole_batch_in_every_schedule(spec):
 
     # (a) with torch's dropout drawing masks: the schedules agree with each other.
     results = {}
-    for name in EXACT_SCHEDULES:
+    for name, setting in RUNS:
         m = copy.deepcopy(model)
         torch.manual_seed(spec["seed"])
-        results[name] = m, accumnorm.backward(m, batch, loss_fn, micro_batch_size=spec["micro"], schedule=name)
-    b, loss_b = results["passes"]
+        results[name, str(setting)] = m, accumnorm.backward(m, batch, loss_fn, micro_batch_size=spec["micro"],
+                                                            schedule=name, **setting)
+    b, loss_b = results["passes", "{}"]
     noise = compare(ref, twin, float("inf"))
-    for name in ("layerwise", "recompute"):
+    for name in results.keys() - {("passes", "{}")}:
         a, loss_a = results[name]
         errs = compare(a, b, float("inf"))
         worst = max(errs, key=lambda k: errs[k] / max(1e-9, SLACK * noise[k]))
@@ -392,11 +393,15 @@ def test_random_networks_match_whole_batch_in_every_schedule(spec):
         assert rel_err(loss_b, loss_a) < 1e-10, name
 
     # (b) torch's dropout in eval mode, IdDropout masking: every schedule matches whole-batch torch.
-    for name in EXACT_SCHEDULES:
+    for name, setting in RUNS:
         ours = copy.deepcopy(in_eval)
-        loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=spec["micro"], schedule=name)
+        loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=spec["micro"], schedule=name, **setting)
         compare_within_rounding(ref, twin, ours, 1e-9, SLACK)
         assert rel_err(loss, expected) < 1e-10, name
+
+
+# Every exact schedule, and the segments schedule at a second setting: more of a chain's arguments recomputed.
+RUNS = [(name, {}) for name in EXACT_SCHEDULES] + [("segments", {"keep_every": 3})]
 
 
 def set_step(model: nn.Module, step: int) -> None:
