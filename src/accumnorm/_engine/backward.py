@@ -94,7 +94,7 @@ def backward(
             (``torch.utils.checkpoint``, made exact): it keeps the regions' inputs of the whole batch and the
             outputs of their costliest convolutions, and recomputes the rest in the backward, at most one
             forward more (see docs/schedules.md). "segments": as recompute, but each region's backward
-            recomputes one micro-batch at a time (one pass per BatchNorm call in the region, and one more), so
+            recomputes one micro-batch at a time (in the passes schedule's passes, over the region alone), so
             that it never holds a region's recomputation for the whole batch; "auto" does not choose it.
             "passes": 2L + 1 passes for L BatchNorm calls, the memory of one micro-batch. "auto": the first of
             layerwise, recompute and passes whose memory fits `memory_budget`, judged from this model's
@@ -185,7 +185,12 @@ def backward(
     # before the last moment a Ctrl-C can still undo the step.
     return _transaction(StepCall(model, micro_batches, objective, collectives, exact), names,
                         lambda new_step, start_over: run_step(new_step, schedule, store_hooks, start_over, sum(sizes),
-                                                              budget, keep_every))
+                                                              budget, _settings(keep_every=keep_every)))
+
+
+def _settings(**settings: Any) -> dict[str, Any]:
+    """The schedule's settings given (those not None)."""
+    return {name: value for name, value in settings.items() if value is not None}
 
 
 # The frames a step puts between the caller and the model's forward (the driver, a coroutine's start, each

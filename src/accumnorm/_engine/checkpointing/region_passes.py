@@ -57,6 +57,12 @@ def fingerprint(outputs: list[Tensor]) -> list[Tensor]:
         return [torch.stack([o.double().sum(), o.double().abs().sum()]) for o in outputs]
 
 
+def _same(again: list[Tensor], forward: list[Tensor], outputs: list[Tensor]) -> bool:
+    """Whether a recomputation's fingerprints are the forward's, to its outputs' dtypes' rounding."""
+    return len(again) == len(forward) and all(
+        bool(torch.allclose(a, b, rtol=_tolerance(o.dtype), atol=0.0)) for a, b, o in zip(again, forward, outputs))
+
+
 def _tolerance(dtype: torch.dtype) -> float:
     return 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 1e-2
 
@@ -201,8 +207,7 @@ class RegionPasses:
         entry = self.entries[k]
         with torch.no_grad():
             outputs, _, _ = self._recompute(entry, self._arguments(entry, k), None, _AGAIN, None)
-        if not torch.allclose(fingerprint([outputs[j]])[0], entry.sample[j], rtol=_tolerance(outputs[j].dtype),
-                              atol=0.0):
+        if not _same(fingerprint([outputs[j]]), entry.sample[j:j + 1], outputs[j:j + 1]):
             raise RegionStateChanged(
                 f"the segments schedule recomputes a region's output for the region after it, but micro-batch {k}'s "
                 "recomputation gave another output than its forward (state shared between micro-batches, or "
@@ -269,10 +274,7 @@ class RegionPasses:
 
     def _check_outputs(self, k: int, entry: Any, outputs: list[Tensor]) -> None:
         """The last pass's outputs must be the forward's (module doc)."""
-        again = fingerprint(outputs)
-        if len(again) == len(entry.sample) and all(
-                bool(torch.allclose(a, b, rtol=_tolerance(o.dtype), atol=0.0))
-                for a, b, o in zip(again, entry.sample, outputs)):
+        if _same(fingerprint(outputs), entry.sample, outputs):
             return
         raise RegionStateChanged(
             f"the segments schedule runs a region's forward again in the backward, but micro-batch {k}'s "

@@ -12,7 +12,7 @@ them in the order "auto" tries them, and `decide` chooses.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..memory.budget import Meter
 from ..memory.store import Store
@@ -34,6 +34,10 @@ class Schedule(ABC):
     metered: ClassVar[bool] = True
     #: whether what it keeps depends on the last step's measurements, so that "auto" meters it at every step.
     remeasured: ClassVar[bool] = False
+
+    def configured(self, **settings: Any) -> Schedule:
+        """The schedule with these settings (the table's own instance, without any)."""
+        return type(self)(**settings) if settings else self
 
     def setting(self) -> str:
         """Its settings, said after what chose it (`last_schedule`): "" for none."""

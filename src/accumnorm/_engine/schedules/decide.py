@@ -33,7 +33,6 @@ from ..memory.store import Store
 from ..step.step import Step
 from .base import Schedule
 from .registry import SCHEDULES
-from .segments import Segments
 
 __all__ = ["refuse_before_step", "run_step"]
 
@@ -49,17 +48,16 @@ def refuse_before_step(names: dict[nn.Module, str], schedule: str) -> None:
 
 
 def run_step(new_step: Callable[[], Step], schedule: str, store: Store | None, start_over: Callable[[Step], None],
-             samples: int, budget: int | None, keep_every: int | None = None) -> Step:
+             samples: int, budget: int | None, settings: dict[str, Any] | None = None) -> Step:
     """Run the step under the schedule asked for (module doc): `schedule` is backward's argument, `budget` the bytes
-    "auto" may let it keep (None: any), `samples` the step's, `keep_every` the segments schedule's setting; returns
+    "auto" may let it keep (None: any), `samples` the step's, `settings` the schedule's (checked by `args`); returns
     the step that ran."""
     step = new_step()
     if not step.exact:
         SCHEDULES["plain"].run(step, store)
         return step
     if schedule != "auto":
-        asked = SCHEDULES[schedule] if keep_every is None else Segments(keep_every)
-        return _asked_for(asked, step, new_step, store, start_over)
+        return _asked_for(SCHEDULES[schedule].configured(**(settings or {})), step, new_step, store, start_over)
     if step.objective.whole and not has_norm_statistics(step.modules):
         # No layer with batch statistics: one micro-batch at a time (GradCache's scheme) is exact too, in the
         # memory of one micro-batch; a functional batch-norm call met on the way sends the step to layerwise.

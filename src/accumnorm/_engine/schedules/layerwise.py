@@ -90,7 +90,7 @@ class _Lockstep:
             ends = [self._resume(k, k) for k in k_all]
             index = exits = 0
             while any(isinstance(end, (BNCall, RegionExit)) for end in ends):
-                if any(isinstance(end, RegionExit) for end in ends):  # the segments schedule's regions
+                if self.segments is not None and any(isinstance(end, RegionExit) for end in ends):  # its regions
                     if any(isinstance(end, BNCall) for end in ends):  # raises: not all at a BatchNorm call
                         step.meeting.check_same([end if isinstance(end, BNCall) else None for end in ends], index)
                     outputs = self.segments.meet(ends, exits)

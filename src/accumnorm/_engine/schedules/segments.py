@@ -2,10 +2,10 @@
 
 Recompute keeps the regions' inputs of the whole batch and, in the backward, one region's recomputation for all K
 micro-batches at once: a met BatchNorm call's backward needs every piece. Here the micro-batches also meet at each
-region's exit (`checkpointing.segmented`), and the region's backward recomputes one micro-batch at a time, in one
-pass per BatchNorm call of the region and a last one (`checkpointing.region_passes`): the step holds the regions'
-arguments of the whole batch and one micro-batch's recomputation of one region. It runs each region's forward
-once per BatchNorm call in it, plus two.
+region's exit (`checkpointing.segmented`), and the region's backward recomputes one micro-batch at a time, in the
+passes schedule's passes over the region alone (`checkpointing.region_passes`): the step holds the regions'
+arguments of the whole batch (of one region in `keep_every` of a chain) and one micro-batch's recomputation of one
+region. It runs each region's forward about half as many times more as the region makes BatchNorm calls, plus two.
 
 A step whose forward changed a region's state is refused before its backward (`RegionStateChanged`), so that the
 step can start over under layerwise; so is one whose recomputation gives other outputs, in the backward.
