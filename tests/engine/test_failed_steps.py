@@ -81,7 +81,7 @@ def _failing_step(model: nn.Module, failure: str, whole: bool, schedule: str, x:
         handle.remove()
 
 
-@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "passes", "auto", "micro"])
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "segments", "passes", "auto", "micro"])
 def test_300_failed_steps_leave_live_tensors_and_models_flat(schedule, one_thread):
     torch.manual_seed(0)
     x, y = torch.randn(6, 6), torch.randint(0, 4, (6,))

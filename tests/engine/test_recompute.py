@@ -600,14 +600,20 @@ def test_auto_runs_recompute_where_layerwise_would_pass_the_budget_exactly_and_s
     compare(ref, model, 1e-9)
 
 
-def test_auto_runs_passes_where_recompute_would_pass_the_budget_too():
+def test_auto_runs_passes_where_every_other_schedule_would_pass_the_budget():
+    """A budget with room for the gradients and hardly anything else: every metered schedule, segments at each of
+    its settings, stops at its meter, and passes runs, exactly, saying why."""
     model, batch = net(), data((1, 12, 12), 8, torch.float64)
-    grads, _, recompute = figures(model, batch)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
     ref = copy.deepcopy(model)
     expected = whole_batch(ref, batch)
     with pytest.warns(RuntimeWarning, match="running the passes schedule"):
-        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + recompute // 2)
-    assert accumnorm.last_schedule(model).schedule == "passes"
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + 1024)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "passes"
+    for name in ("layerwise", "recompute", "segments(keep_every=1)", "segments(keep_every=2)",
+                 "segments(keep_every=4)"):
+        assert f"{name} would keep more than" in choice.reason, (name, choice.reason)
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
 
@@ -620,20 +626,22 @@ def wide_first() -> nn.Sequential:
                          nn.Flatten(), nn.Linear(4, 10)).double()
 
 
-def test_auto_counts_recomputes_backward_before_it_runs_and_runs_passes_where_only_the_forward_fits():
+def test_auto_counts_recomputes_backward_before_it_runs_and_runs_segments_where_only_the_forward_fits():
     """The backward recomputes the first region for every micro-batch at once (its BatchNorm call waits for all
     of them): at least the whole batch's input of that call. A budget with room for recompute's forward but not
-    for that runs passes, exactly, and says why; the recomputation is counted before the backward makes it."""
+    for that runs segments, which recomputes one micro-batch at a time, exactly, and says why; the recomputation is
+    counted before the backward makes it."""
     model, batch = wide_first(), data((1, 32, 32), 16, torch.float64)
     grads, _, forward = figures(model, batch)
     wide = 16 * 32 * 32 * 32 * 8  # the first BatchNorm's input of the whole batch
     budget = grads + forward + wide // 2
     ref = copy.deepcopy(model)
     expected = whole_batch(ref, batch)
-    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+    with pytest.warns(RuntimeWarning, match=r"running the segments\(keep_every=1\) schedule"):
         loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
     choice = accumnorm.last_schedule(model)
-    assert choice.schedule == "passes" and "recompute would keep more than" in choice.reason, choice
+    assert choice.schedule == "segments" and "recompute would keep more than" in choice.reason, choice
+    assert choice.reason.endswith("it ran, keeping the arguments of one region in 1 of a chain"), choice
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
 

@@ -1,10 +1,12 @@
-"""The segments schedule's setting, keep_every: exact at every value, a chain's arguments let go of, bad values refused.
+"""The segments schedule's setting, keep_every: exact at every value, a chain's arguments let go of, bad values refused;
+and segments as "auto"'s choice between recompute and passes, at the fewest kept arguments that fit the budget.
 
 The whole engine suite runs under segments at its default setting (`EXACT_SCHEDULES`); these tests add the other
 settings and what only the setting does."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -12,7 +14,10 @@ import torch.nn as nn
 
 import accumnorm
 from accumnorm._engine.checkpointing import segmented
-from helpers import assert_unchanged, ce_loss, compare, exact_vs_whole_batch, snapshot
+from accumnorm._engine.memory import budget as budget_module
+from accumnorm._engine.schedules import segments as segments_module
+from accumnorm._engine.schedules.registry import SCHEDULES
+from helpers import assert_unchanged, ce_loss, compare, exact_vs_whole_batch, rel_err, snapshot, whole_batch
 from models import data, resnet, vgg
 
 
@@ -55,9 +60,11 @@ def test_a_chain_lets_go_of_the_arguments_between_kept_ones(monkeypatch):
     keep_or_drop = segmented.SegmentedRegions._keep_or_drop
 
     def spy(self, passes, entries):
-        keep_or_drop(self, passes, entries)
+        dropped = keep_or_drop(self, passes, entries)
         depths.append(passes.depth)
         assert all((e.leaves[i] is None) == (passes.depth > 0) for e in entries for i in e.sources)
+        assert (dropped > 0) == (passes.depth > 0)
+        return dropped
 
     monkeypatch.setattr(segmented.SegmentedRegions, "_keep_or_drop", spy)
     model = dropout_chain().double()
@@ -87,6 +94,9 @@ def test_last_schedule_says_the_setting():
                        keep_every=3)
     assert accumnorm.last_schedule(model).schedule == "segments"
     assert "one region in 3" in accumnorm.last_schedule(model).reason
+    assert accumnorm.last_schedule(model).settings == {"keep_every": 3}
+    accumnorm.backward(model, data((1, 12, 12), 6, torch.float64), ce_loss, micro_batch_size=2, schedule="layerwise")
+    assert accumnorm.last_schedule(model).settings == {}
 
 
 @pytest.mark.parametrize("value,schedule,error,match", [
@@ -104,3 +114,94 @@ def test_a_bad_setting_is_refused_before_anything_changes(value, schedule, error
         accumnorm.backward(model, data((1, 12, 12), 4, torch.float64), ce_loss, micro_batch_size=2,
                            schedule=schedule, keep_every=value)
     assert_unchanged(model, snap)
+
+
+# ---------------------------------------------------------------- "auto" and memory_budget
+
+
+def _chain() -> nn.Module:
+    return dropout_chain().apply(_no_dropout).double()
+
+
+def _segments_need(model: nn.Module, batch, keep_every: int, monkeypatch) -> int:
+    """What "auto"'s meter counts for segments at `keep_every` on a copy of `model` (the figure a budget is judged
+    by), with the schedules before it out of "auto"'s table."""
+    with monkeypatch.context() as m:
+        for name in ("layerwise", "recompute"):
+            m.setattr(SCHEDULES[name], "choices", lambda: [])
+        m.setattr(segments_module, "_AUTO_KEEP_EVERY", (keep_every,))
+        trial = copy.deepcopy(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            accumnorm.backward(trial, batch, ce_loss, micro_batch_size=2, memory_budget=2**40)
+    choice = accumnorm.last_schedule(trial)
+    assert choice.schedule == "segments", choice
+    return choice.need
+
+
+def test_auto_runs_segments_at_the_fewest_kept_arguments_that_fit_and_judges_the_next_step_by_its_figure(
+        monkeypatch):
+    """Between recompute and passes: a budget below recompute's need runs segments, exactly, at the first of its
+    settings (keep_every 1, 2, 4) whose meter does not stop it; the reason names each one tried before and the setting
+    that ran, and the next step goes straight to it without a second warning."""
+    torch.manual_seed(0)
+    model, batch = _chain(), data((1, 12, 12), 8, torch.float64)
+    needs = {keep_every: _segments_need(model, batch, keep_every, monkeypatch) for keep_every in (1, 2, 4)}
+    assert needs[4] < needs[2] < needs[1], needs  # fewer kept arguments, fewer bytes counted
+    budget = (needs[2] + needs[4]) // 2
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match=r"running the segments\(keep_every=4\) schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "segments" and choice.settings == {"keep_every": 4}, choice
+    assert choice.need == needs[4], (choice, needs)
+    for name in ("layerwise", "recompute", "segments(keep_every=1)", "segments(keep_every=2)"):
+        assert f"{name} would keep more than" in choice.reason, (name, choice.reason)
+    assert choice.reason.endswith("it ran, keeping the arguments of one region in 4 of a chain"), choice.reason
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+    for m in (model, ref):
+        m.zero_grad()
+    expected = whole_batch(ref, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "segments" and "measured at an earlier step" in choice.reason, choice
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_auto_counts_one_micro_batchs_recomputation_before_segments_backward(monkeypatch):
+    """Segments' backward recomputes a region for one micro-batch at a time: the meter reserves that before the
+    backward starts (here the first region's, whose wide BatchNorm input is most of it), not the whole batch's
+    recomputation as recompute does. A budget with room for segments' forward but not for that reserve runs passes
+    (with segments tried at keep_every=1 alone, whose kept arguments are what the reserve is measured beside)."""
+    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
+                          nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
+                          nn.Flatten(), nn.Linear(4, 10)).double()
+    batch = data((1, 32, 32), 16, torch.float64)
+    wide = 16 * 32 * 32 * 32 * 8  # the first BatchNorm's input of the whole batch
+    reserved = []
+    with monkeypatch.context() as m:
+        reserve = budget_module.Meter.reserve_bytes
+
+        def spy(self, n):
+            reserved.append((self.bytes, n))  # what was counted before it, and it
+            reserve(self, n)
+
+        m.setattr(budget_module.Meter, "reserve_bytes", spy)
+        need = _segments_need(model, batch, 1, monkeypatch)
+    (_, n), = reserved
+    assert wide // 8 <= n < wide // 2, (n, wide)  # at least the first call's input of one micro-batch of 8
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    budget = need - n // 2
+    monkeypatch.setattr(segments_module, "_AUTO_KEEP_EVERY", (1,))
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "passes" and "segments(keep_every=1) would keep more than" in choice.reason, choice
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)

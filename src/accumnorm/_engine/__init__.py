@@ -6,7 +6,8 @@
 4. `intercept`: the TorchFunctionMode that finds every batch-statistics norm call; the refusals of what it cannot.
 5. `checkpointing`: BatchNorm inside checkpointed regions, and the recompute schedule's own regions.
 6. `step`: one call as a schedule runs it: the meeting of the micro-batches, the running-statistics ledger, losses.
-7. `schedules`: plain, layerwise, recompute and passes behind one interface; the one module that chooses.
+7. `schedules`: plain, layerwise, recompute, segments and passes behind one interface; the one module that
+   chooses.
 8. This package's modules: `backward` (the public function and the transaction around a step), `args` (its
    arguments, the batch cut into micro-batches) and `lazy_eps` (a warning for `nn.LazyBatchNorm2d(32)`).
 

@@ -95,21 +95,27 @@ def backward(
             outputs of their costliest convolutions, and recomputes the rest in the backward, at most one
             forward more (see docs/schedules.md). "segments": as recompute, but each region's backward
             recomputes one micro-batch at a time (in the passes schedule's passes, over the region alone), so
-            that it never holds a region's recomputation for the whole batch; "auto" does not choose it.
-            "passes": 2L + 1 passes for L BatchNorm calls, the memory of one micro-batch. "auto": the first of
-            layerwise, recompute and passes whose memory fits `memory_budget`, judged from this model's
-            figures (measured at its first step, which runs metered and stops before it passes the budget);
-            on CUDA, an out-of-memory error sends the step to the next one too. `accumnorm.last_schedule(model)`
-            tells which ran and why; a warning says so the first time a model leaves layerwise. Default: "auto".
+            that it never holds a region's recomputation for the whole batch; with `keep_every`, it also lets
+            go of regions' arguments it can recompute. "passes": 2L + 1 passes for L BatchNorm calls, the
+            memory of one micro-batch. "auto": the first of layerwise, recompute, segments (at keep_every 1, 2,
+            then 4) and passes whose memory fits `memory_budget`, judged from this model's figures (measured at
+            its first step, which runs metered and stops before it passes the budget); on CUDA, an
+            out-of-memory error sends the step to the next one too. `accumnorm.last_schedule(model)` tells
+            which ran, at which setting, and why; a warning says so the first time a model leaves layerwise.
+            Default: "auto".
         store: where layerwise keeps the whole batch's saved tensors: None (the model's device on CPU, pinned
             host memory on CUDA), "cpu", or a torch.device. Default: None.
         process_group: with torch.distributed, `batch` is this rank's share of the global batch: statistics,
             sums, loss and gradients are reduced over the group (do not wrap the model in DDP as well; a
             DDP-wrapped model is unwrapped and its group used). Not with `batch_loss_fn`. Default: None.
         grad_scaler: a `torch.amp.GradScaler`: the loss is scaled by it before backward. Default: None.
-        memory_budget: the bytes "auto" lets a step keep for its backward (saved tensors and gradients); a
-            positive int. Default: None, a tenth less than the free memory of the model's device (on the CPU,
-            the available memory the kernel reports).
+        memory_budget: the bytes "auto" lets a step keep for its backward: the tensors its forward keeps
+            (autograd's saved tensors, the regions' arguments), what its backward's recomputation holds, and
+            the gradients the step makes; gradients that exist before the step (``zero_grad(set_to_none=False)``)
+            are not part of it. A positive int. The process's peak rises above it by the working memory of
+            the forward and the backward and what the allocator keeps of what it freed (docs/schedules.md).
+            Default: None, a tenth less than the free memory of the model's device (on the CPU, the available
+            memory the kernel reports).
         keep_every: the segments schedule's setting (with schedule="segments" only). Where regions form a chain,
             each one's output the next one's argument, the arguments of one region in `keep_every` are kept; the
             others are recomputed in the backward from the last kept ones, a region forward more for each region

@@ -11,6 +11,7 @@ import inspect
 from typing import Any
 
 import torch
+from torch import Tensor
 
 __all__ = ["RegionStateChanged", "forward_regions", "in_recomputation", "in_region", "in_segment", "keeping_nothing"]
 
@@ -55,9 +56,20 @@ class RegionStateChanged(Exception):
     """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
 
 
-def _keep_nothing(t: Any) -> None:
-    """A segments region's pack hook: its forward keeps no tensor for a backward (`segmented`)."""
-    return None
+class _KeepNothing:
+    """A segments region's pack hook: its forward keeps no tensor for a backward (`segmented`), and counts the bytes
+    it would have kept (each storage once, parameters not at all), which its recomputation holds in the backward."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def __call__(self, t: Tensor) -> None:
+        if not isinstance(t, torch.nn.Parameter):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._seen:
+                self._seen.add(storage.data_ptr())
+                self.bytes += storage.nbytes()
 
 
 def _nothing_kept(_: Any) -> Any:
@@ -66,11 +78,13 @@ def _nothing_kept(_: Any) -> Any:
         "region by another way than the region's outputs (a hook's or module's stash): its gradient would be lost")
 
 
-def keeping_nothing() -> Any:
-    """Saved-tensor hooks that keep nothing: a segments region's forward, whose backward is its recomputation."""
-    return torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _nothing_kept)
+def keeping_nothing() -> tuple[Any, _KeepNothing]:
+    """Saved-tensor hooks that keep nothing: a segments region's forward, whose backward is its recomputation; and
+    their pack hook, whose `bytes` are what they did not keep."""
+    pack = _KeepNothing()
+    return torch.autograd.graph.saved_tensors_hooks(pack, _nothing_kept), pack
 
 
 def in_segment(hooks: tuple[tuple[Any, Any], ...]) -> bool:
     """Whether a point with these saved-tensor hooks is inside the forward of a segments region."""
-    return any(pack is _keep_nothing for pack, _ in hooks)
+    return any(isinstance(pack, _KeepNothing) for pack, _ in hooks)

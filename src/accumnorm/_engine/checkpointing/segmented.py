@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..bn.replay import CallReplay
+from ..memory.budget import Meter
 from ..safety.threadstate import Modes, saved_tensor_hooks
 from .checkpointed import RegionState, patched
 from .frames import RegionStateChanged, in_recomputation, in_region, in_segment, keeping_nothing
@@ -53,6 +54,7 @@ class Entry:
     positions: list[int] = field(default_factory=list)  # which of the outputs' leaves the region's node gives
     # argument position -> (the region before, whose output it is, and which output): what it can be recomputed from
     sources: dict[int, tuple[RegionPasses, int]] = field(default_factory=dict)
+    saved: int = 0  # the bytes its forward would have saved: what its recomputation holds
 
     def __post_init__(self) -> None:
         self.requires_grad = [self.leaves[i].requires_grad for i in self.tensors]
@@ -79,8 +81,10 @@ class RegionExit:
 class SegmentedRegions:
     """The regions of one segments step (module doc)."""
 
-    def __init__(self, step: Any, regions: list[Region], keep_every: int = 1) -> None:  # step: `step.Step`
-        self.step, self.regions, self.keep_every = step, regions, keep_every
+    def __init__(self, step: Any, regions: list[Region], keep_every: int = 1, meter: Meter | None = None) -> None:
+        # step: `step.Step`; meter: "auto"'s, which counts the arguments the regions keep
+        self.step, self.regions, self.keep_every, self.meter = step, regions, keep_every, meter
+        self.backward_bytes = 0  # the most one region's backward holds beside what the step keeps (`meet`)
         self.open: list[Entry | None] = [None] * len(step.micro_batches)  # each micro-batch's region call, if any
         # Each micro-batch's outputs of the last region node it left, as (the node's passes, weak references to the
         # outputs, their versions then): a region called on one of them, unchanged, can recompute it from there.
@@ -133,11 +137,13 @@ class SegmentedRegions:
         entry = Entry(region, forward, leaves, spec, tensors, [g.get_state() for g in self.step.rng.generators],
                       Modes.current(), sources=self._sources(k, leaves, tensors))
         self.open[k] = entry
+        hooks, kept = keeping_nothing()
         try:
-            with keeping_nothing():
+            with hooks:
                 out = forward(*args, **kwargs)
         finally:
             self.open[k] = None
+        entry.saved = kept.bytes
         after, after_spec = tree_flatten((args, kwargs))
         if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
                 a is not b for a, b in zip(after, leaves)):
@@ -176,7 +182,15 @@ class SegmentedRegions:
         passes = self.node = RegionPasses(self.step, entries, [end.outputs for end in ends])
         outputs = passes.node(self._running)
         self.step.graphs.met_region(outputs, [[e.leaves[i] for i in e.tensors] for e in entries])
-        self._keep_or_drop(passes, entries)
+        dropped = self._keep_or_drop(passes, entries)
+        # Its backward holds one micro-batch's recomputation at a time, and every micro-batch's dropped arguments
+        # recomputed for it.
+        self.backward_bytes = max(self.backward_bytes, max(e.saved for e in entries) + dropped)
+        if self.meter is not None:
+            for e in entries:
+                for i in e.tensors:
+                    if e.leaves[i] is not None:
+                        self.meter.count(e.leaves[i])
         return outputs
 
     def _sources(self, k: int, leaves: list[Any], tensors: list[int]) -> dict[int, tuple[RegionPasses, int]]:
@@ -194,9 +208,10 @@ class SegmentedRegions:
                     break
         return sources
 
-    def _keep_or_drop(self, passes: RegionPasses, entries: list[Entry]) -> None:
+    def _keep_or_drop(self, passes: RegionPasses, entries: list[Entry]) -> int:
         """Keep the region's arguments, or (every micro-batch's come from one region node, the chain from the last
-        kept ones is shorter than `keep_every`) let go of those the region before can give again."""
+        kept ones is shorter than `keep_every`) let go of those the region before can give again; returns the bytes
+        let go of."""
         first = entries[0].sources
         source = next(iter(first.values()))[0] if first else None
         chained = source is not None and all(
@@ -206,10 +221,13 @@ class SegmentedRegions:
             passes.depth = 0
             for e in entries:
                 e.sources = {}
-            return
+            return 0
+        dropped = 0
         for e in entries:
             for i in e.sources:
+                dropped += e.leaves[i].untyped_storage().nbytes()
                 e.leaves[i] = None
+        return dropped
 
     def _running(self) -> int | None:
         return None if self.lockstep is None else self.lockstep.current

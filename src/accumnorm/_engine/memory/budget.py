@@ -5,12 +5,14 @@ killing the process. So "auto" chooses before the memory is used, from measured 
 the bytes of tensors its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage
 counted once, parameters not at all), per sample, as this model's last step with batches of this shape
 measured them, times the step's samples, plus the gradients it makes. Layerwise runs when its need fits the
-budget, recompute when its does, passes otherwise. A step with no figure yet runs metered: the meter stops it
-(`OverBudget`) as soon as what it keeps would pass the budget, before it does, and the step starts over in the
-next schedule. Recompute's figure is what its forward keeps (the regions' inputs, what runs outside them, the kept
-convolution outputs) and, reserved before its backward starts, the recomputation of its largest region for every
-micro-batch at once, which that backward holds. Its regions and kept outputs are chosen from the last step's
-measurements, so that each of its steps runs metered.
+budget, recompute when its does, then segments at each of its settings, passes otherwise. A step with no figure
+yet runs metered: the meter stops it (`OverBudget`) as soon as what it keeps would pass the budget, before it
+does, and the step starts over in the next schedule. Recompute's figure is what its forward keeps (the regions'
+inputs, what runs outside them, the kept convolution outputs) and, reserved before its backward starts, the
+recomputation of its largest region for every micro-batch at once, which that backward holds. Its regions and kept
+outputs are chosen from the last step's measurements, so that each of its steps runs metered. Segments' figure
+counts the regions' arguments it keeps (`Meter.count`) and, reserved before its backward, one micro-batch's
+recomputation of a region and the arguments it recomputes (`Meter.reserve_bytes`).
 
 The budget, by default: on CUDA the device's free memory, on the CPU the available memory (the kernel's
 MemAvailable), each less a tenth; `memory_budget` sets it in bytes.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,13 +49,15 @@ class Choice:
     """The schedule an exact step ran, and why: `accumnorm.last_schedule(model)`.
 
     `need`: the bytes estimated (or measured, if larger) for the schedule that was judged last, `budget`: the
-    budget it was judged against; None where no budget decided (an explicit schedule).
+    budget it was judged against; None where no budget decided (an explicit schedule). `settings`: the schedule's
+    settings it ran at, as `accumnorm.backward`'s keyword arguments (``{"keep_every": 2}``; empty for none).
     """
 
     schedule: str
     reason: str
     need: int | None = None
     budget: int | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 def check_budget(memory_budget: Any) -> None:
@@ -155,8 +159,23 @@ class Meter:
     def reserve(self, per_sample: float) -> None:
         """Count `per_sample` bytes for each of the step's samples (a region's recomputation in the backward, for every
         micro-batch at once), before the backward makes them; raise `OverBudget` if the budget has no room for them."""
-        self.bytes += int(per_sample * self.samples)
+        self.reserve_bytes(int(per_sample * self.samples))
+
+    def reserve_bytes(self, n: int) -> None:
+        """Count `n` bytes the backward will hold beside the saved tensors (`reserve`)."""
+        self.bytes += n
         self._check()
+
+    def count(self, t: Tensor) -> None:
+        """Count a tensor the step keeps for its backward by other means than autograd's saved tensors (each storage
+        once, parameters and leaves that require grad not at all); raise `OverBudget` past the budget."""
+        if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+                self._check()
 
     def _check(self) -> None:
         if self.limit is not None and self.bytes > self.limit:
@@ -166,13 +185,7 @@ class Meter:
         return torch.autograd.graph.saved_tensors_hooks(untraced.wrap(self.pack), untraced.wrap(self.unpack))
 
     def pack(self, t: Tensor) -> Any:
-        if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key not in self._seen:
-                self._seen.add(key)
-                self.bytes += storage.nbytes()
-                self._check()
+        self.count(t)
         if self.store is not None:
             return self.store.pack(t)
         # Not `t` itself: a node's saved output would hold its own node through it, a cycle through autograd's C++

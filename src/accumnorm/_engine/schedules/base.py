@@ -39,9 +39,25 @@ class Schedule(ABC):
         """The schedule with these settings (the table's own instance, without any)."""
         return type(self)(**settings) if settings else self
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        """Its settings, as `accumnorm.backward`'s keyword arguments (`last_schedule`): empty for none."""
+        return {}
+
     def setting(self) -> str:
-        """Its settings, said after what chose it (`last_schedule`): "" for none."""
+        """Its settings, said after what chose it (`last_schedule`'s reason): "" for none."""
         return ""
+
+    def choices(self) -> list[Schedule]:
+        """The settings "auto" tries it at, in order, the fastest first: the table's own instance alone by default."""
+        return [self]
+
+    @property
+    def label(self) -> str:
+        """Its name with its settings, `segments(keep_every=2)`: what "auto"'s reasons name, and what an earlier
+        step's figure for it is kept under."""
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
+        return f"{self.name}({settings})" if settings else self.name
 
     @abstractmethod
     def run(self, step: Step, store: Store | Meter | None) -> None:

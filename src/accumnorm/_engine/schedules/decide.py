@@ -96,7 +96,7 @@ def _asked_for(schedule: Schedule, step: Step, new_step: Callable[[], Step], sto
     """The schedule asked for; layerwise, with a warning, where it cannot run the step exactly."""
     why = _attempt(schedule, step, store)
     if why is None:
-        record_choice(step.model, Choice(schedule.name, "asked for" + schedule.setting()))
+        record_choice(step.model, Choice(schedule.name, "asked for" + schedule.setting(), settings=schedule.settings))
         return step
     start_over(step)
     warn_at_caller(f"accumnorm.backward: {why}; using the layerwise schedule, which runs every forward once",
@@ -108,8 +108,8 @@ def _asked_for(schedule: Schedule, step: Step, new_step: Callable[[], Step], sto
 
 
 def _by_memory() -> list[Schedule]:
-    """The exact schedules "auto" judges by memory, fastest first."""
-    return [s for s in SCHEDULES.values() if s.automatic and s.exact and s.metered]
+    """The exact schedules "auto" judges by memory, each at the settings it tries, fastest first."""
+    return [c for s in SCHEDULES.values() if s.automatic and s.exact and s.metered for c in s.choices()]
 
 
 def _last_resort() -> Schedule:
@@ -125,7 +125,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
     known = figures(model)
     reasons: list[str] = []
     for schedule in _by_memory():
-        name = schedule.name
+        name = schedule.label
         need = _known_need(known, key, name, grads, samples, budget, reasons)
         if need is not None and budget is not None and need > budget:
             continue
@@ -143,7 +143,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
                 if meter is not None:
                     known[(key, name)] = meter.bytes / samples
                     need = grads + meter.bytes
-                record_choice(model, Choice(name, "; ".join(reasons) or "it fits the memory budget", need, budget))
+                record_choice(model, Choice(schedule.name, _why(schedule, reasons), need, budget, schedule.settings))
                 _tell(model, name, reasons, budget)
                 return step
             reasons.append(why)
@@ -185,7 +185,7 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
     reasons: list[str] = []
     order = [*_by_memory(), _last_resort()]
     for schedule in order[:-1]:
-        need = _known_need(known, key, schedule.name, grads, samples, budget, reasons)
+        need = _known_need(known, key, schedule.label, grads, samples, budget, reasons)
         if need is None or budget is None or need <= budget:
             break
     else:
@@ -193,7 +193,7 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
     device = step.parameters[0].device if step.parameters else torch.device("cpu")
     agreed = order[step.collectives.max_(order.index(schedule), device)]
     if agreed is not schedule:
-        reasons.append(f"another rank of the process group needs {agreed.name}")
+        reasons.append(f"another rank of the process group needs {agreed.label}")
     if agreed is order[-1]:
         return _run_last_resort(step, reasons, budget)
     meter = Meter(None, store, samples)  # measures, never stops
@@ -203,11 +203,16 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
         step, agreed, meter = new_step(), SCHEDULES["layerwise"], Meter(None, store, samples)
         reasons.append(why)
         agreed.run(step, meter)
-    known[(key, agreed.name)] = meter.bytes / samples
-    record_choice(model, Choice(agreed.name, "; ".join(reasons) or "it fits the memory budget",
-                                grads + meter.bytes, budget))
-    _tell(model, agreed.name, reasons, budget)
+    known[(key, agreed.label)] = meter.bytes / samples
+    record_choice(model, Choice(agreed.name, _why(agreed, reasons), grads + meter.bytes, budget, agreed.settings))
+    _tell(model, agreed.label, reasons, budget)
     return step
+
+
+def _why(schedule: Schedule, reasons: list[str]) -> str:
+    """Why "auto" ran `schedule`, and at which settings (`last_schedule`)."""
+    why = "; ".join(reasons) or "it fits the memory budget"
+    return f"{why}; it ran{schedule.setting()}" if schedule.setting() else why
 
 
 def _tell(model: nn.Module, name: str, reasons: list[str], budget: int | None) -> None:

@@ -1,5 +1,5 @@
-"""The one table of schedules, in the order "auto" tries them: the fastest first, the leanest last; then those
-"auto" does not choose.
+"""The one table of schedules: plain accumulation, then the exact ones in the order "auto" tries them, the fastest
+first, the leanest last (each at its `choices()` of settings).
 
 Adding a schedule is one module with a `Schedule` subclass and one entry here.
 """
@@ -14,4 +14,4 @@ from .segments import Segments
 
 __all__ = ["SCHEDULES"]
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (Plain(), Layerwise(), Recompute(), Passes(), Segments())}
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (Plain(), Layerwise(), Recompute(), Segments(), Passes())}

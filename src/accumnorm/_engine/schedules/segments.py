@@ -6,11 +6,14 @@ region's exit (`checkpointing.segmented`), and the region's backward recomputes 
 passes schedule's passes over the region alone (`checkpointing.region_passes`): the step holds the regions'
 arguments of the whole batch (of one region in `keep_every` of a chain) and one micro-batch's recomputation of one
 region. It runs each region's forward about half as many times more as the region makes BatchNorm calls, plus two.
+"auto" runs it where recompute does not fit, at the first of `keep_every` 1, 2 and 4 that does, before passes.
 
 A step whose forward changed a region's state is refused before its backward (`RegionStateChanged`), so that the
 step can start over under layerwise; so is one whose recomputation gives other outputs, in the backward.
 """
 from __future__ import annotations
+
+from typing import Any
 
 from ..checkpointing.checkpointed import RegionStateChanged
 from ..checkpointing.regions import choose_regions
@@ -23,16 +26,19 @@ from .layerwise import lockstep
 
 __all__ = ["Segments"]
 
+_AUTO_KEEP_EVERY = (1, 2, 4)  # the settings "auto" tries, fastest first
+
 
 class Segments(Schedule):
     """Exact BatchNorm in lockstep, each region recomputed one micro-batch at a time in its backward (module doc).
 
-    Not one of "auto"'s choices: its meter would not count the backward's recomputation.
+    Raises RegionStateChanged, before any backward, if a region's forward changed its module's state; under a
+    `Meter` ("auto"), OverBudget once the regions' kept arguments, or before the backward what its largest region's
+    backward holds, would pass the budget.
     """
 
     name = "segments"
-    metered = False
-    automatic = False
+    remeasured = True  # its regions follow the last step's measurements, and its backward's need this step's
 
     def __init__(self, keep_every: int = 2) -> None:
         # Of a chain of regions, each one's output the next one's argument: the arguments of every keep_every-th
@@ -43,14 +49,26 @@ class Segments(Schedule):
     def setting(self) -> str:
         return f", keeping the arguments of one region in {self.keep_every} of a chain"
 
+    @property
+    def settings(self) -> dict[str, Any]:
+        return {"keep_every": self.keep_every}
+
+    def choices(self) -> list[Schedule]:
+        # Fewer kept arguments for more recomputation: each doubling of keep_every about halves what the regions'
+        # arguments take, for about one more region forward per region in the backward.
+        return [type(self)(keep_every) for keep_every in _AUTO_KEEP_EVERY]
+
     def run(self, step: Step, store: Store | Meter | None) -> None:
-        regions = SegmentedRegions(step, choose_regions(step.model), self.keep_every)
+        meter = store if isinstance(store, Meter) else None
+        regions = SegmentedRegions(step, choose_regions(step.model), self.keep_every, meter)
 
         def before_backward() -> None:
             problem = regions.changed()
             if problem is not None:
                 raise RegionStateChanged(f"the segments schedule runs a region's forward again in the backward, but "
                                          f"in the forward {problem}: its recomputation would not be exact")
+            if meter is not None:  # "auto": the backward recomputes a region for one micro-batch at a time
+                meter.reserve_bytes(regions.backward_bytes)
 
         with regions.patched():
             try:
