@@ -39,12 +39,15 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+import accumnorm
+
 
 class Memory(NamedTuple):
     peak: int  # bytes
     saved: int
     moved: int
     peaks: tuple[int, ...] = ()  # each fresh process's peak, where `peak` is their median
+    ran: str = ""  # the schedule an exact step ran, with its setting (accumnorm.last_schedule), in each run
 
 
 def keep_freed_memory() -> str:
@@ -182,7 +185,9 @@ def median_memory(runs: list[Memory | str]) -> Memory | str:
     of)."""
     if any(isinstance(r, str) for r in runs):
         return "failed"
-    return Memory(*(statistics.median_low(figures) for figures in list(zip(*runs))[:3]), tuple(r.peak for r in runs))
+    ran = " / ".join(dict.fromkeys(r.ran for r in runs if r.ran))  # each schedule that ran, once
+    return Memory(*(statistics.median_low(figures) for figures in list(zip(*runs))[:3]), tuple(r.peak for r in runs),
+                  ran)
 
 
 def measure_runs(name: str, methods: list[str], micro: int, args: argparse.Namespace, timeout: float,
@@ -228,7 +233,16 @@ def main(argv: list[str] | None = None) -> None:
     warm_up(model, batch, args.micro, case)
     model.zero_grad(set_to_none=True)
     memory = measure(lambda: step(model, batch, args.micro, case), device)
-    print(json.dumps(memory._asdict()))
+    print(json.dumps(memory._replace(ran=ran(model))._asdict()))
+
+
+def ran(model: nn.Module) -> str:
+    """The schedule the model's last exact step ran and its setting, as "auto" names them ("" for none)."""
+    choice = accumnorm.last_schedule(model)
+    if choice is None:
+        return ""
+    settings = ", ".join(f"{k}={v!r}" for k, v in choice.settings.items())
+    return f"{choice.schedule}({settings})" if settings else choice.schedule
 
 
 if __name__ == "__main__":

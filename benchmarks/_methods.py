@@ -8,6 +8,10 @@ otherwise (store=cpu). Each such name is a method of its own: a column of the ta
 pictures. Whether this accumnorm takes a schedule with its settings is asked, not assumed (`refusal`): one step of a
 small net, so that a schedule or a setting a version lacks is reported, not run.
 
+"auto" with `memory_budget=1.5x` (a number and x) runs at a budget that many times plain accumulation's peak as
+measured in the same run, at the same K (`relative_budget`, `resolved`): the benchmark measures plain's peak first,
+then runs "auto" with that budget in bytes, and shows which schedule ran. A budget in bytes is a plain setting.
+
 A schedule's floor (`FLOORS`) is what its time cannot go below, timed beside it: for layerwise the lockstep and
 nothing else, for recompute plain accumulation with its regions checkpointed (_steps.py). A floor takes the settings
 it names and no others: "recompute:c=4" has no floor until one that takes `c` is registered; the floor of a
@@ -16,6 +20,7 @@ schedule with settings is named with them ("floor:c=4").
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -73,6 +78,24 @@ def _value(text: str) -> Any:
         return text
 
 
+def relative_budget(name: str) -> float | None:
+    """The factor of a method's budget relative to plain's peak (`auto:memory_budget=1.5x`: 1.5); None for any
+    other method."""
+    value = dict(parse_spec(name.removeprefix("compiled ")).settings).get("memory_budget")
+    match = re.fullmatch(r"(\d+(?:\.\d*)?)x", value) if isinstance(value, str) else None
+    return float(match.group(1)) if match else None
+
+
+def resolved(name: str, plain_peak: int) -> str:
+    """A method with a budget relative to plain's peak (`relative_budget`) as the method with that budget in bytes."""
+    factor = relative_budget(name)
+    spec = parse_spec(name)
+    if factor is None:
+        return name
+    return str(Spec(spec.schedule, tuple((k, int(factor * plain_peak) if k == "memory_budget" else v)
+                                         for k, v in spec.settings)))
+
+
 def backward_options(spec: Spec) -> dict[str, Any]:
     """accumnorm.backward's keyword arguments for `spec`: the schedule, and each setting as a keyword of its own."""
     return {"schedule": spec.schedule, **dict(spec.settings)}
@@ -99,6 +122,10 @@ def refusal(name: str) -> str | None:
     """None if accumnorm.backward takes the schedule `name` with its settings (one step of a net of three
     Linear-BatchNorm layers, 8 samples in micro-batches of 2, asked directly), else why not: NOT_AVAILABLE for a
     schedule or a setting this accumnorm does not know, its own message for a value it refuses."""
+    if relative_budget(name) is not None:
+        if name.startswith("compiled"):
+            return "a budget relative to plain's peak is not run compiled"
+        name = resolved(name, 2**40)
     torch.manual_seed(0)
     net = nn.Sequential(*(layer for _ in range(3) for layer in (nn.Linear(3, 3), nn.BatchNorm1d(3), nn.ReLU())))
     try:
@@ -173,7 +200,7 @@ def methods(schedules: list[str]) -> dict[str, Method]:
     """Every method a run of `schedules` names: plain, the whole batch, each schedule and its floor, each of them
     compiled (`_steps.compiled_methods`)."""
     names = ["whole", *timed_methods(schedules), COMPILED_PLAIN, COMPILED_FLOOR, *map(compiled, schedules)]
-    return {n: method(n) for n in names}
+    return {n: method(n) for n in names if relative_budget(n) is None}  # the others' budgets are per K
 
 
 def parse_schedules(text: str) -> tuple[list[str], dict[str, str]]:

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Callable
 
 from _memory import Memory
-from _methods import timed_methods
+from _methods import schedule_of, timed_methods
 from _models import BATCH
 from _steps import COMPILED_FLOOR, COMPILED_PLAIN, compiled
 
@@ -92,6 +92,11 @@ class Row:
     def _per_thread(self, cell: Callable[[Times], str]) -> str:
         return " / ".join(cell(t) for t in self.timing.values()) or "-"
 
+    def ran(self, m: str) -> str:
+        """The schedule m ran in its memory runs (auto's choice), with its setting."""
+        got = self.memory.get(m, "-")
+        return got if isinstance(got, str) else got.ran or "-"
+
     def figures(self, methods: list[str], field: str) -> str:
         return " / ".join(mib(getattr(v, field)) if isinstance(v := self.memory.get(m, "-"), Memory) else v
                           for m in methods)
@@ -104,7 +109,8 @@ class Row:
 
     @classmethod
     def from_json(cls, row: dict) -> Row:
-        memory = {m: v if isinstance(v, str) else Memory(v["peak"], v["saved"], v["moved"], tuple(v["peaks"]))
+        memory = {m: v if isinstance(v, str) else Memory(v["peak"], v["saved"], v["moved"], tuple(v["peaks"]),
+                                                         v.get("ran", ""))
                   for m, v in row["memory"].items()}
         timing = {int(t): Times(times["rounds"], times["first"]) for t, times in row["timing"].items()}
         return cls(row["model"], row["bn_calls"], row["k"], memory, timing)
@@ -123,7 +129,8 @@ def columns(schedules: list[str], threads: list[int]) -> list[Column]:
                   + [(f"plain ms{per}", lambda r: r.time("plain"))]
                   + [(f"{m} time{per}", lambda r, m=m: r.time(m)) for m in timed_methods(schedules)[1:]]
                   + [(f"saved MiB {'/'.join(memory)}", lambda r: r.figures(memory, "saved")),
-                     (f"host MiB {'/'.join(schedules)}", lambda r: r.figures(schedules, "moved"))])
+                     (f"host MiB {'/'.join(schedules)}", lambda r: r.figures(schedules, "moved"))]
+                  + [(f"{m} ran", lambda r, m=m: r.ran(m)) for m in schedules if schedule_of(m) == "auto"])
 
 
 def compile_columns(schedules: list[str], threads: list[int]) -> list[Column]:

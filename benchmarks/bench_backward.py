@@ -109,7 +109,7 @@ import time
 
 import torch
 from _memory import Memory, keep_freed_memory, measure_runs
-from _methods import SCHEDULES, methods, parse_schedules, schedule_of, timed_methods
+from _methods import SCHEDULES, method, methods, parse_schedules, relative_budget, resolved, schedule_of, timed_methods
 from _models import BATCH, MODELS
 from _plot import dump, frontiers, require_matplotlib
 from _steps import bn_calls, compiled, compiled_methods, compiling_apart, prepare
@@ -220,14 +220,23 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
     timeout = 600.0
     whole = measure_runs(name, ["whole"], BATCH, args, timeout)["whole"] if args.memory else "-"
     rows = []
+    relative = [s for s in schedules if relative_budget(s) is not None]
     for k in args.ks:
         micro, label = BATCH // k, f"{name} {k}x{BATCH // k}"
-        shown = ["plain", *schedules]
+        shown = ["plain", *(s for s in schedules if s not in relative)]
         memory: dict[str, Memory | str] = {"whole": whole, **skipped}
         if args.memory:
             memory.update(measure_runs(name, shown, micro, args, timeout))
+        plain = memory.get("plain")
+        for s in relative:  # after plain's peak, which sets their budgets
+            if isinstance(plain, Memory):
+                memory[s] = measure_runs(name, [resolved(s, plain.peak)], micro, args, timeout)[resolved(s, plain.peak)]
+                by_name[s] = method(resolved(s, plain.peak))
+            else:
+                memory[s] = "no plain peak"
         timing: dict[int, Times] = {}
-        names = timed_methods(schedules) + (compiled_methods(schedules) if args.compile else [])
+        names = [m for m in timed_methods(schedules) if m in by_name] + (
+            [m for m in compiled_methods(schedules) if relative_budget(m) is None] if args.compile else [])
         steps = {m: (lambda model, m=m, micro=micro: by_name[m](model, batch, micro, case)) for m in names}
         for threads in args.threads if args.rounds else []:
             torch.set_num_threads(threads)

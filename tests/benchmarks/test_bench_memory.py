@@ -109,6 +109,37 @@ def test_the_benchmark_table_shows_layerwise_holding_what_the_whole_batch_saves(
     assert cells["K x b"] == "4x8" and cells["BN"] == "4"
 
 
+def test_a_child_process_reports_the_schedule_an_exact_step_ran_with_its_setting():
+    ran = {}
+    for method in ("plain", "segments:keep_every=3"):
+        proc = subprocess.run([sys.executable, str(BENCHMARKS / "_memory.py"), "study", method, "8", "--size", "16"],
+                              env=child_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        ran[method] = _memory.Memory(**__import__("json").loads(proc.stdout.strip().splitlines()[-1])).ran
+    assert ran == {"plain": "", "segments:keep_every=3": "segments(keep_every=3)"}
+    runs = [_memory.Memory(1, 1, 1, ran=r) for r in ("recompute", "segments(keep_every=1)", "recompute")]
+    assert _memory.median_memory(runs).ran == "recompute / segments(keep_every=1)"  # each that ran, once
+
+
+@pytest.mark.realtime
+@pytest.mark.slow
+@linux_only
+def test_auto_at_a_budget_relative_to_plains_peak_runs_after_plain_and_says_what_ran():
+    """bench_backward.py end to end, memory only: "auto" at 1.5x plain's peak, measured at each K after plain's, its
+    peak and the schedule that ran beside it."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_backward.py"), "--models", "study", "--ks", "4",
+                           "--rounds", "0", "--size", "16", "--schedules", "auto:memory_budget=1.5x", "--markdown",
+                           "--peak-runs", "1"], env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    header, row = (next(line for line in lines if line.startswith(start)).split("|")[1:-1]
+                   for start in ("| model", "| study"))
+    cells = dict(zip((h.strip() for h in header), (c.strip() for c in row)))
+    assert cells["auto:memory_budget=1.5x ran"] in ("layerwise", "recompute", "passes") or cells[
+        "auto:memory_budget=1.5x ran"].startswith("segments(keep_every="), cells
+    assert float(cells["auto:memory_budget=1.5x peak MiB"].split()[0]) > 0
+
+
 def test_each_figure_is_the_median_of_the_fresh_processes_runs_the_methods_interleaved():
     peaks = {"plain": iter([30, 10, 20]), "layerwise": iter([5, 50, 40])}
     calls = []

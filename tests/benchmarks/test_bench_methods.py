@@ -75,3 +75,16 @@ def test_a_floor_is_timed_beside_the_schedules_whose_settings_it_takes(monkeypat
 def test_the_schedule_a_method_runs():
     assert [_methods.schedule_of(m) for m in ("passes", "passes:x=1", "compiled passes", "compiled plain")] == [
         "passes", "passes", "passes", "plain"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_budget_relative_to_plains_peak_is_resolved_in_bytes_and_asked_of_accumnorm_so():
+    assert _methods.relative_budget("auto:memory_budget=1.5x") == 1.5
+    assert _methods.relative_budget("auto:memory_budget=2x") == 2.0
+    assert _methods.relative_budget("auto:memory_budget=1000") is None
+    assert _methods.relative_budget("segments") is None
+    assert _methods.resolved("auto:memory_budget=1.5x", 1000) == "auto:memory_budget=1500"
+    assert _methods.resolved("recompute", 1000) == "recompute"
+    assert _methods.refusal("auto:memory_budget=1.5x") is None
+    assert _methods.refusal("auto:memory_budget=x1.5").startswith("refused: memory_budget must be")
+    assert "auto:memory_budget=1.5x" not in _methods.methods(["auto:memory_budget=1.5x"])  # its budget is per K
