@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -40,6 +41,18 @@ def whole_batch(ref: nn.Module, batch, loss_fn=ce_loss) -> torch.Tensor:
     loss = loss_fn(ref, batch)
     loss.backward()
     return loss.detach()
+
+
+def quiet_next_step(model: nn.Module, ref: nn.Module, batch, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Another step from zeroed gradients: accumnorm's on `model` (`kwargs` to accumnorm.backward, with ce_loss),
+    failing on any warning, and the oracle's on `ref`; returns (ours, the oracle's) losses."""
+    for m in (model, ref):
+        m.zero_grad()
+    expected = whole_batch(ref, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = accumnorm.backward(model, batch, ce_loss, **kwargs)
+    return loss, expected
 
 
 def oracle_and_ours(ref: nn.Module) -> tuple[nn.Module, nn.Module]:

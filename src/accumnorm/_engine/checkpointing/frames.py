@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..memory.budget import Meter
+
 __all__ = ["RegionStateChanged", "forward_regions", "in_recomputation", "in_region", "in_segment", "keeping_nothing"]
 
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
@@ -58,18 +60,13 @@ class RegionStateChanged(Exception):
 
 class _KeepNothing:
     """A segments region's pack hook: its forward keeps no tensor for a backward (`segmented`), and counts the bytes
-    it would have kept (each storage once, parameters not at all), which its recomputation holds in the backward."""
+    it would have kept (`counted`, a meter without a limit), which its recomputation holds in the backward."""
 
     def __init__(self) -> None:
-        self.bytes = 0
-        self._seen: set[int] = set()
+        self.counted = Meter(None, None, 1)
 
     def __call__(self, t: Tensor) -> None:
-        if not isinstance(t, torch.nn.Parameter):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self._seen:
-                self._seen.add(storage.data_ptr())
-                self.bytes += storage.nbytes()
+        self.counted.count(t)
 
 
 def _nothing_kept(_: Any) -> Any:
@@ -80,7 +77,7 @@ def _nothing_kept(_: Any) -> Any:
 
 def keeping_nothing() -> tuple[Any, _KeepNothing]:
     """Saved-tensor hooks that keep nothing: a segments region's forward, whose backward is its recomputation; and
-    their pack hook, whose `bytes` are what they did not keep."""
+    their pack hook, whose `counted.bytes` are what they did not keep."""
     pack = _KeepNothing()
     return torch.autograd.graph.saved_tensors_hooks(pack, _nothing_kept), pack
 

@@ -143,7 +143,7 @@ class SegmentedRegions:
                 out = forward(*args, **kwargs)
         finally:
             self.open[k] = None
-        entry.saved = kept.bytes
+        entry.saved = kept.counted.bytes
         after, after_spec = tree_flatten((args, kwargs))
         if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
                 a is not b for a, b in zip(after, leaves)):
