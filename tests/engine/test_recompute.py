@@ -692,3 +692,21 @@ def test_a_bad_memory_budget_is_refused_before_anything_runs(budget, exc, words)
     assert all(w in str(error.value) for w in words), str(error.value)
     assert_unchanged(model, snap)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_auto_tries_a_schedule_that_cannot_run_a_model_exactly_at_one_setting_only():
+    """A region whose forward changes its state: recompute and segments refuse it (found after the forward, each
+    try a forward of the whole batch), so "auto" below layerwise's need runs passes, exactly, having tried segments
+    at its first setting only, and says each refusal once."""
+    model, batch = net(Counting), data((1, 8, 8), 8, torch.float64)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    _, layerwise, _ = figures(net(), batch)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + layerwise // 2)
+    reason = accumnorm.last_schedule(model).reason
+    assert reason.count("the recompute schedule runs a region's forward again") == 1, reason
+    assert reason.count("the segments schedule runs a region's forward again") == 1, reason
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)

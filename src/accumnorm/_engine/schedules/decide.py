@@ -124,7 +124,10 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
     key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
     known = figures(model)
     reasons: list[str] = []
+    refused: set[str] = set()  # schedules that could not run this step exactly, at any of their settings
     for schedule in _by_memory():
+        if schedule.name in refused:
+            continue
         name = schedule.label
         need = _known_need(known, key, name, grads, samples, budget, reasons)
         if need is not None and budget is not None and need > budget:
@@ -147,6 +150,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
                 _tell(model, name, reasons, budget)
                 return step
             reasons.append(why)
+            refused.add(schedule.name)
         start_over(step)
         step = new_step()
     return _run_last_resort(step, reasons, budget)
