@@ -50,16 +50,34 @@ class Memory(NamedTuple):
     ran: str = ""  # the schedule an exact step ran, with its setting (accumnorm.last_schedule), in each run
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # malloc.h
+
+
 def keep_freed_memory() -> str:
     """Have glibc keep freed memory for reuse (bench_backward's doc): no trimming of the heap's top, and blocks up
     to its largest mmap threshold (32 MiB) from the heap. Says what the allocator does now."""
+    return _mallopt({_M_TRIM_THRESHOLD: 1 << 30, _M_MMAP_THRESHOLD: 32 << 20}, "glibc keeping freed memory")
+
+
+def map_large_blocks() -> str:
+    """Have glibc map each block of 64 KiB or more from the OS and hand it back when freed (a fixed mmap threshold,
+    as `MALLOC_MMAP_THRESHOLD_=65536` sets it): no heap holds them between uses, so the peak follows the live
+    tensors, at the cost of page faults. Says what the allocator does now."""
+    return _mallopt({_M_MMAP_THRESHOLD: 64 << 10}, "glibc mapping blocks of 64 KiB and more")
+
+
+def use_allocator(name: str) -> str:
+    """Set glibc up as --allocator `name` says ("keep", "mmap" or "glibc": its defaults); says what it does now."""
+    return {"keep": keep_freed_memory, "mmap": map_large_blocks}.get(name, lambda: "glibc's defaults")()
+
+
+def _mallopt(settings: dict[int, int], done: str) -> str:
     libc = _libc()
     if libc is None:
         return "the C library's defaults (not glibc)"
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    if libc.mallopt(m_trim_threshold, 1 << 30) != 1 or libc.mallopt(m_mmap_threshold, 32 << 20) != 1:
+    if any(libc.mallopt(option, value) != 1 for option, value in settings.items()):
         return "glibc's defaults (mallopt refused)"
-    return "glibc keeping freed memory"
+    return done
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -216,10 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--volume", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--allocator", choices=("keep", "glibc"), default="keep")
+    p.add_argument("--allocator", choices=("keep", "mmap", "glibc"), default="keep")
     args = p.parse_args(argv)
-    if args.allocator == "keep":
-        keep_freed_memory()
+    use_allocator(args.allocator)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     step = method(args.method)

@@ -82,7 +82,10 @@ On a CPU with glibc, the processes keep the memory they free for reuse (`--alloc
 torch's CUDA caching allocator does on a GPU, and as jemalloc or tcmalloc, which PyTorch's CPU tuning guide
 recommends, do: by default glibc hands large freed blocks back to the OS and the next step faults them in
 again, thousands of page faults per step or none depending on the heap's history, not on the method
-measured. `--allocator glibc` measures with glibc's defaults.
+measured. `--allocator glibc` measures with glibc's defaults. `--allocator mmap` maps each block of 64 KiB or more
+from the OS and hands it back when freed (what `MALLOC_MMAP_THRESHOLD_=65536` does): no heap keeps freed blocks
+between uses, so the peak follows the live tensors. Where many micro-batches hold small tensors each (K = 16 and
+32 here), a heap that keeps what it freed can hold far more than the tensors; this shows how much.
 
     python benchmarks/bench_backward.py --markdown    # the full table: 9 models x K = 4, 8, 16, 32, 1 and 2 threads
     python benchmarks/bench_backward.py --models study,simclr --ks 4 --rounds 1 --size 32
@@ -108,7 +111,7 @@ import sys
 import time
 
 import torch
-from _memory import Memory, keep_freed_memory, measure_runs
+from _memory import Memory, measure_runs, use_allocator
 from _methods import SCHEDULES, method, methods, parse_schedules, relative_budget, resolved, schedule_of, timed_methods
 from _models import BATCH, MODELS
 from _plot import dump, frontiers, require_matplotlib
@@ -165,8 +168,9 @@ def parse_args() -> argparse.Namespace:
                                                   "which `python benchmarks/_plot.py FILE DIR` redraws the pictures")
     p.add_argument("--plot", metavar="DIR", help="draw each K's frontier, peak against time as ratios to plain's, one "
                                                  "panel per model, to DIR/frontier-K<k>.png and .svg (matplotlib)")
-    p.add_argument("--allocator", choices=("keep", "glibc"), default="keep",
-                   help="keep: glibc keeps freed memory for reuse (default); glibc: its defaults (see above)")
+    p.add_argument("--allocator", choices=("keep", "mmap", "glibc"), default="keep",
+                   help="keep: glibc keeps freed memory for reuse (default); mmap: blocks of 64 KiB and more mapped "
+                        "and handed back; glibc: its defaults (see above)")
     args = p.parse_args()
     args.models = parse_list(p, "--models", args.models, list(MODELS))
     args.ks = parse_list(p, "--ks", args.ks, [k for k in range(1, BATCH + 1) if BATCH % k == 0], int)
@@ -250,7 +254,7 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
 
 def main() -> None:
     args = parse_args()
-    allocator = keep_freed_memory() if args.allocator == "keep" else "glibc's defaults"
+    allocator = use_allocator(args.allocator)
     device = torch.device(args.device)
     start = time.perf_counter()
     print(header(args, allocator) + ("\n" if args.markdown else ""))

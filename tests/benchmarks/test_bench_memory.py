@@ -140,6 +140,21 @@ def test_auto_at_a_budget_relative_to_plains_peak_runs_after_plain_and_says_what
     assert float(cells["auto:memory_budget=1.5x peak MiB"].split()[0]) > 0
 
 
+@pytest.mark.slow
+@linux_only
+def test_the_allocator_a_run_measures_with_is_set_in_every_process_and_said():
+    """--allocator mmap: the header says what glibc does, and each fresh process measures under it."""
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_backward.py"), "--models", "study", "--ks", "4",
+                           "--rounds", "0", "--size", "16", "--schedules", "layerwise", "--peak-runs", "1",
+                           "--allocator", "mmap"], env=child_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "glibc mapping blocks of 64 KiB and more" in proc.stdout.splitlines()[0]
+    child = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import _memory; "
+                            "print(_memory.use_allocator('mmap'), _memory.use_allocator('glibc'), sep='|')",
+                            str(BENCHMARKS)], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert child.stdout.strip() == "glibc mapping blocks of 64 KiB and more|glibc's defaults", child.stderr
+
+
 def test_each_figure_is_the_median_of_the_fresh_processes_runs_the_methods_interleaved():
     peaks = {"plain": iter([30, 10, 20]), "layerwise": iter([5, 50, 40])}
     calls = []
