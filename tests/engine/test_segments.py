@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import accumnorm
 from accumnorm._engine.checkpointing import segmented
+from accumnorm._engine.checkpointing.regions import Run, choose_regions
 from accumnorm._engine.memory import budget as budget_module
 from accumnorm._engine.schedules import segments as segments_module
 from accumnorm._engine.schedules.registry import SCHEDULES
@@ -209,3 +210,30 @@ def test_auto_counts_one_micro_batchs_recomputation_before_segments_backward(mon
     assert choice.schedule == "passes" and "segments(keep_every=1) would keep more than" in choice.reason, choice
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
+
+
+@pytest.mark.parametrize("build", [resnet, vgg], ids=["resnet", "vgg"])
+def test_segments_keeps_every_region_after_recompute_measured_which_keep_little(build, monkeypatch):
+    """Recompute runs the regions that keep little as they are once a step has measured them: its backward holds
+    the largest region's recomputation for the whole batch anyway. Segments' backward holds one micro-batch's, so
+    after a recompute step (as "auto" runs one before it) it still runs every region as a region."""
+    torch.manual_seed(0)
+    model, batch = build().double(), data((1, 12, 12), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    every = choose_regions(model, weigh=False)
+    assert len(choose_regions(model)) < len(every)  # recompute now leaves some as they are
+    seen = []
+    init = segmented.SegmentedRegions.__init__
+
+    def spy(self, step, regions, *args):
+        seen.append(regions)
+        init(self, step, regions, *args)
+
+    monkeypatch.setattr(segmented.SegmentedRegions, "__init__", spy)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="segments")
+    assert [list(map(_where, regions)) for regions in seen] == [list(map(_where, every))]
+
+
+def _where(region) -> object:
+    """A region by what it covers: a module, or a run's Sequential and children (each choice makes new runs)."""
+    return (region.parent, region.start, region.stop) if isinstance(region, Run) else region

@@ -141,13 +141,15 @@ class _Walk:
             self.regions.append(Run(seq, start, stop))
 
 
-def choose_regions(model: nn.Module) -> list[Region]:
-    """The regions the step checkpoints, in the model's order (module doc)."""
+def choose_regions(model: nn.Module, weigh: bool = True) -> list[Region]:
+    """The regions the step checkpoints, in the model's order (module doc); with `weigh` False, every region, the
+    measured ones that keep little too (for a schedule whose backward holds one micro-batch's recomputation, not the
+    whole batch's: the small regions' whole-batch saved tensors would stand beside far less)."""
     walk = _Walk(model)
     walk.visit(model)
     unique = _unique(walk.regions)
     measured = [(size, i) for i, size in enumerate(measured_saved(unique)) if size is not None]
-    if not measured:
+    if not measured or not weigh:
         return unique
     # Regions that keep little run as they are, as long as together they keep a small share of the largest
     # region, whose recomputation the backward holds anyway: their recomputation would cost time for little memory.

@@ -60,7 +60,7 @@ class Segments(Schedule):
 
     def run(self, step: Step, store: Store | Meter | None) -> None:
         meter = store if isinstance(store, Meter) else None
-        regions = SegmentedRegions(step, choose_regions(step.model), self.keep_every, meter)
+        regions = SegmentedRegions(step, choose_regions(step.model, weigh=False), self.keep_every, meter)
 
         def before_backward() -> None:
             problem = regions.changed()
