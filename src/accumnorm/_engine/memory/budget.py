@@ -57,7 +57,7 @@ class Choice:
     reason: str
     need: int | None = None
     budget: int | None = None
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict, hash=False)  # a Choice stays hashable
 
 
 def check_budget(memory_budget: Any) -> None:
