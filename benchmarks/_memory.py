@@ -256,10 +256,7 @@ def main(argv: list[str] | None = None) -> None:
 def ran(model: nn.Module) -> str:
     """The schedule the model's last exact step ran and its setting, as "auto" names them ("" for none)."""
     choice = accumnorm.last_schedule(model)
-    if choice is None:
-        return ""
-    settings = ", ".join(f"{k}={v!r}" for k, v in choice.settings.items())
-    return f"{choice.schedule}({settings})" if settings else choice.schedule
+    return "" if choice is None else choice.label
 
 
 if __name__ == "__main__":

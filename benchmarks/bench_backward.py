@@ -234,8 +234,9 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device) -> li
         plain = memory.get("plain")
         for s in relative:  # after plain's peak, which sets their budgets
             if isinstance(plain, Memory):
-                memory[s] = measure_runs(name, [resolved(s, plain.peak)], micro, args, timeout)[resolved(s, plain.peak)]
-                by_name[s] = method(resolved(s, plain.peak))
+                in_bytes = resolved(s, plain.peak)
+                memory[s] = measure_runs(name, [in_bytes], micro, args, timeout)[in_bytes]
+                by_name[s] = method(in_bytes)
             else:
                 memory[s] = "no plain peak"
         timing: dict[int, Times] = {}

@@ -105,9 +105,11 @@ def test_last_schedule_says_the_setting():
     assert accumnorm.last_schedule(model).schedule == "segments"
     assert "one region in 3" in accumnorm.last_schedule(model).reason
     assert accumnorm.last_schedule(model).settings == {"keep_every": 3}
+    assert accumnorm.last_schedule(model).label == "segments(keep_every=3)"
     assert {accumnorm.last_schedule(model)}  # hashable, as a frozen dataclass's instances are
     accumnorm.backward(model, data((1, 12, 12), 6, torch.float64), ce_loss, micro_batch_size=2, schedule="layerwise")
     assert accumnorm.last_schedule(model).settings == {}
+    assert accumnorm.last_schedule(model).label == "layerwise"
 
 
 @pytest.mark.parametrize("value,schedule,error,match", [

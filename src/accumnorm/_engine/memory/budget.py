@@ -34,7 +34,7 @@ from ..safety import untraced
 from .store import Store
 
 __all__ = ["Choice", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget", "figures",
-           "format_bytes", "gradient_bytes", "last_schedule", "record_choice", "signature"]
+           "format_bytes", "gradient_bytes", "last_schedule", "record_choice", "schedule_label", "signature"]
 
 _MARGIN = 0.9  # of the free memory, the share a default budget takes
 
@@ -58,6 +58,17 @@ class Choice:
     need: int | None = None
     budget: int | None = None
     settings: dict[str, Any] = field(default_factory=dict, hash=False)  # a Choice stays hashable
+
+    @property
+    def label(self) -> str:
+        """The schedule with its settings, as "auto"'s reasons name it: ``segments(keep_every=2)``."""
+        return schedule_label(self.schedule, self.settings)
+
+
+def schedule_label(schedule: str, settings: dict[str, Any]) -> str:
+    """A schedule's name with its settings, ``segments(keep_every=2)``; the name alone without any."""
+    text = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+    return f"{schedule}({text})" if text else schedule
 
 
 def check_budget(memory_budget: Any) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from ..memory.budget import Meter
+from ..memory.budget import Meter, schedule_label
 from ..memory.store import Store
 from ..step.step import Step
 
@@ -56,8 +56,7 @@ class Schedule(ABC):
     def label(self) -> str:
         """Its name with its settings, `segments(keep_every=2)`: what "auto"'s reasons name, and what an earlier
         step's figure for it is kept under."""
-        settings = ", ".join(f"{k}={v!r}" for k, v in self.settings.items())
-        return f"{self.name}({settings})" if settings else self.name
+        return schedule_label(self.name, self.settings)
 
     @abstractmethod
     def run(self, step: Step, store: Store | Meter | None) -> None:
