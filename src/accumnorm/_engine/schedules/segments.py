@@ -38,7 +38,6 @@ class Segments(Schedule):
     """
 
     name = "segments"
-    remeasured = True  # its regions follow the last step's measurements, and its backward's need this step's
 
     def __init__(self, keep_every: int = 2) -> None:
         # Of a chain of regions, each one's output the next one's argument: the arguments of every keep_every-th
