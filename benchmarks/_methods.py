@@ -2,11 +2,11 @@
 settings, and each schedule's floor.
 
 An exact schedule is named with its settings, `name[:key=value[:key=value...]]`: "recompute", "passes",
-"family:c=4". Each setting is passed to `accumnorm.backward` as a keyword argument of its own (`backward_options`,
-the one place that says how), its value read as a Python literal where it is one (4, 0.5, True, None) and as text
-otherwise (store=cpu). Each such name is a method of its own: a column of the tables, a point of the frontier
-pictures. Whether this accumnorm takes a schedule with its settings is asked, not assumed (`refusal`): one step of a
-small net, so that a schedule or a setting a version lacks is reported, not run.
+"segments:keep_every=2". Each setting is passed to `accumnorm.backward` as a keyword argument of its own
+(`backward_options`, the one place that says how), its value read as a Python literal where it is one (4, 0.5, True,
+None) and as text otherwise (store=cpu). Each such name is a method of its own: a column of the tables, a point of
+the frontier pictures. Whether this accumnorm takes a schedule with its settings is asked, not assumed (`refusal`):
+one step of a small net, so that a schedule or a setting a version lacks is reported, not run.
 
 "auto" with `memory_budget=1.5x` (a number and x) runs at a budget that many times plain accumulation's peak as
 measured in the same run, at the same K (`relative_budget`, `resolved`): the benchmark measures plain's peak first,
@@ -59,7 +59,7 @@ def parse_spec(name: str) -> Spec:
     """`name[:key=value...]` as a Spec; ValueError, saying what is wrong, for anything else."""
     schedule, *pairs = (part.strip() for part in name.split(":"))
     if not schedule.isidentifier():
-        raise ValueError(f"{name!r}: a schedule's name is a word, e.g. recompute or family:c=4")
+        raise ValueError(f"{name!r}: a schedule's name is a word, e.g. recompute or segments:keep_every=2")
     settings: dict[str, Any] = {}
     for pair in pairs:
         key, is_pair, text = (s.strip() for s in pair.partition("="))

@@ -3,10 +3,10 @@
 A frontier picture is one K's: a panel per model, each exact schedule a point at its time (x) and its peak memory
 (y), both as ratios to plain accumulation's (plain itself at 1x, 1x), on log scales: below and left is better.
 Plain, layerwise, recompute and passes have markers of their own; a schedule given with several settings
-("family:c=2,family:c=4") has one colour, its points joined by a line in the order --schedules gave them, each
-labelled with its settings. The time is the first of --threads' (the dump holds every thread count's). A method
-with no figure (skipped, failed, not measured) has no point; the panel says why. The floors are time alone and
-have no point; the dump has them.
+("segments:keep_every=1,segments:keep_every=2") has one colour, its points joined by a line in the order --schedules
+gave them, each labelled with its settings. The time is the first of --threads' (the dump holds every thread
+count's). A method with no figure (skipped, failed, not measured) has no point; the panel says why. The floors are
+time alone and have no point; the dump has them.
 
     python benchmarks/_plot.py results.json pictures/    # redraw the pictures of a --json dump
 """

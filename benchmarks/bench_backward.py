@@ -16,12 +16,13 @@ optimizer step's gradient is made each of these ways:
              models of more than --skip-passes-over BN calls, where it takes tens of plain steps
 
 --schedules lists the exact schedules, each with its settings if any, name[:key=value[:key=value...]]:
-"layerwise,recompute,family:c=2,family:c=4" shows four, each a method of its own (a column of the tables, a point
-of the pictures), the settings passed to accumnorm.backward as keyword arguments (c=2; values read as Python
-literals, else as text: store=cpu). Each is first asked of accumnorm.backward with one step of a small net; one
-it does not take (a schedule or a setting this accumnorm lacks, a value it refuses) is not run, and the header
-says why ("family:c=2: not available in this accumnorm"). A schedule's floor is timed beside it where a floor
-takes its settings (benchmarks/_methods.py; lockstep and checkpointed take none).
+"layerwise,recompute,segments:keep_every=1,segments:keep_every=2" shows four, each a method of its own (a column of
+the tables, a point of the pictures), the settings passed to accumnorm.backward as keyword arguments (keep_every=2;
+values read as Python literals, else as text: store=cpu). Each is first asked of accumnorm.backward with one step of
+a small net; one it does not take (a schedule or a setting this accumnorm lacks, a value it refuses) is not run, and
+the header says why ("segments:keep_every=2: not available in this accumnorm" from a version without it). A
+schedule's floor is timed beside it where a floor takes its settings (benchmarks/_methods.py; lockstep and
+checkpointed take none).
 
 and with --compile BACKEND, time only, each on its own copy of the model compiled with
 torch.compile(model, backend=BACKEND), in the same rounds as the others:
@@ -92,7 +93,8 @@ between uses, so the peak follows the live tensors. Where many micro-batches hol
     python benchmarks/bench_backward.py --models resnet50 --no-memory --threads 2 --schedules layerwise
     python benchmarks/bench_backward.py --compile inductor --models study,resnet50 --ks 4,8 --no-memory --threads 1
     python benchmarks/bench_backward.py --models tiny_deep,study --ks 16,32 --rounds 1 --json r.json --plot pictures
-    python benchmarks/bench_backward.py --schedules recompute,passes,family:c=2,family:c=4 --ks 8,32 --plot pictures
+    python benchmarks/bench_backward.py --schedules recompute,segments:keep_every=1,segments:keep_every=2 --ks 8,32 \
+        --plot pictures
 
 The full default run measures 129 configurations' memory in 3 fresh processes each (387 processes) and times
 3 rounds of each configuration after a warm-up, at K = 4, 8, 16 and 32. Its length has not been measured: the
@@ -141,8 +143,9 @@ def parse_args() -> argparse.Namespace:
                    help=f"accumulation steps, each dividing the batch of {BATCH} (default 4,8,16,32)")
     p.add_argument("--schedules", default=",".join(SCHEDULES),
                    help="exact schedules to show, each with its settings, name[:key=value...], e.g. "
-                        "layerwise,recompute,family:c=2,family:c=4: each a method of its own, the settings passed "
-                        "to accumnorm.backward as keyword arguments; those it does not take are reported, not run "
+                        "layerwise,recompute,segments:keep_every=1,segments:keep_every=2: each a method of its own, "
+                        "the settings passed to accumnorm.backward as keyword arguments; those it does not take are "
+                        "reported, not run "
                         f"(default: {','.join(SCHEDULES)})")
     p.add_argument("--threads", default="1,2", help="torch threads of the timed runs, comma-separated")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of plain and each schedule (0: no timing)")
