@@ -27,10 +27,11 @@ raises is a FAIL row naming the check (its traceback goes to stderr) and the oth
   cost bf16          resnet50 at 224 px, micro-batch 32 x 8, under bf16 autocast: each way's peak
                      torch.cuda.max_memory_allocated above the level before its step (after a warm-up
                      step) and its time, each beside plain accumulation's: layerwise with the pinned
-                     host store (store=None) and with store="cuda", the recompute schedule where
-                     accumnorm.backward has it, the whole batch of 256 in torch ("out of memory" where it
-                     does not fit). Time: 3 interleaved rounds, every other in reverse order, the ratio
-                     the median of each round's ratio to plain (INFO: speed is not pass/fail).
+                     host store (store=None) and with store="cuda", the recompute schedule and the segments
+                     schedule at keep_every 1 and 2 where accumnorm.backward has them, the whole batch of 256
+                     in torch ("out of memory" where it does not fit). Time: 3 interleaved rounds, every
+                     other in reverse order, the ratio the median of each round's ratio to plain (INFO:
+                     speed is not pass/fail).
   compile bf16       torch.compile(backend="inductor") on resnet18 at 224 px, micro-batch 32 x 4, under bf16
                      autocast, each on its own compiled copy: plain accumulation in torch (BatchNorm fused in the
                      graph), the compiled floor (plain accumulation with a graph break at each BatchNorm call, as
@@ -370,6 +371,10 @@ def check_cost(device: torch.device) -> list[Row]:
                  "layerwise, store='cuda'": accumulated(micro_batch_size=b, schedule="layerwise", store="cuda")}
     if refusal("recompute") is None:
         backwards["recompute"] = accumulated(micro_batch_size=b, schedule="recompute")
+    for keep_every in (1, 2):  # every region's arguments kept, and one region's in two
+        if refusal(f"segments:keep_every={keep_every}") is None:
+            backwards[f"segments, keep_every={keep_every}"] = accumulated(micro_batch_size=b, schedule="segments",
+                                                                        keep_every=keep_every)
     backwards[f"whole batch of {b * k} in torch"] = whole_batch
     runs = Interleaved(name, {case: lambda model, f=f: f(model, batch, None) for case, f in backwards.items()},
                        {case: copy.deepcopy(base) for case in backwards}, device)
