@@ -1,5 +1,5 @@
-"""pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one
-(`schedule_any`: and "auto");
+"""pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one,
+segments at two settings (`schedule_any`: and "auto");
 `one_thread` for tests of small tensors; `fresh_dynamo` for tests that torch.compile; tests marked `cuda` skip,
 saying why, without a GPU."""
 import signal
@@ -7,6 +7,7 @@ import signal
 import pytest
 import torch
 
+from accumnorm._engine.schedules.segments import Segments
 from helpers import EXACT_SCHEDULES, STEP_SCHEDULES
 
 # A shell without job control starts a background job (`.ci/run &`) with SIGINT ignored, and every process it starts
@@ -30,9 +31,14 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=EXACT_SCHEDULES)
-def schedule(request):
-    return request.param
+@pytest.fixture(params=[*EXACT_SCHEDULES, pytest.param("segments:keep_every=1", id="segments_keep_every_1")])
+def schedule(request, monkeypatch):
+    """Each exact schedule's name; segments also at keep_every=1 (every region's arguments kept) beside its default
+    (one region's in two recomputed), as its default for the test, so that the test passes only the name."""
+    name, _, setting = request.param.partition(":")
+    if setting:
+        monkeypatch.setattr(Segments.__init__, "__defaults__", (1,))
+    return name
 
 
 @pytest.fixture(params=STEP_SCHEDULES)
