@@ -94,7 +94,7 @@ class Kept:
     def own(self, frame: Any) -> None:
         """Keep convolution outputs in this region frame (one of the schedule's own regions, not the user's)."""
         key = id(frame)
-        self.frames[key] = (weakref.ref(frame, untraced.wrap(lambda _, key=key: self.frames.pop(key, None))), deque())
+        self.frames[key] = (weakref.ref(frame, untraced.forgetting(self.frames, key)), deque())
 
     def owns(self, frame: Any) -> bool:
         entry = self.frames.get(id(frame))

@@ -92,8 +92,7 @@ class RecordedRegions:
         key = id(frame)
         entry = self.calls.get(key)
         if entry is None or entry[0]() is not frame:
-            gone = untraced.wrap(lambda _, key=key: self.calls.pop(key, None))
-            entry = self.calls[key] = (weakref.ref(frame, gone), [], frame.recompute_fn)
+            entry = self.calls[key] = (weakref.ref(frame, untraced.forgetting(self.calls, key)), [], frame.recompute_fn)
             self._recompute_in_step(frame, entry[1])
         return entry[1]
 

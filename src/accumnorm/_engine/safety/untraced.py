@@ -13,7 +13,8 @@ normalizing one micro-batch) are never run inside one, and evaluation after a st
 compiled graph again.
 
 The step's callbacks that torch calls from whatever code runs (saved-tensor hooks, the SIGINT handler, weakref
-callbacks) would be compiled as frames of their own when that code is compiled: they run untraced too (`wrap`).
+callbacks) would be compiled as frames of their own when that code is compiled: they run untraced too (`wrap`;
+`forgetting`, for the weakref callbacks made at every region call, without a wrapper made for each).
 
 `untraced` registers a function; `prepare()`, at each step's start, makes the disabled versions once dynamo
 is imported (importing it costs a second: a process that never compiles never pays it); `call(fn)` is what
@@ -21,6 +22,7 @@ code that may be compiled calls instead of `fn`.
 """
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from types import CodeType
@@ -28,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["REASON", "call", "prepared", "skip_frames", "untraced", "wrap"]
+__all__ = ["REASON", "call", "forgetting", "prepared", "skip_frames", "untraced", "wrap"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -89,3 +91,14 @@ def call(fn: F) -> F:
 def wrap(fn: F) -> F:
     """`fn`, made now to run untraced (once prepared): for a callback torch calls from any code (module doc)."""
     return torch.compiler.disable(fn, reason=REASON) if _prepared else fn
+
+
+@untraced
+def _forget(mapping: dict[Any, Any], key: Any, _ref: Any) -> None:
+    mapping.pop(key, None)
+
+
+def forgetting(mapping: dict[Any, Any], key: Any) -> Callable[[Any], None]:
+    """A weakref callback that takes `key` out of `mapping` when the referent goes, untraced (module doc): the one
+    disabled function, given its arguments, rather than a disabled wrapper made for each callback."""
+    return functools.partial(_DISABLED.get(_forget, _forget), mapping, key)
