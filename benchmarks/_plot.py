@@ -4,9 +4,10 @@ A frontier picture is one K's: a panel per model, each exact schedule a point at
 (y), both as ratios to plain accumulation's (plain itself at 1x, 1x), on log scales: below and left is better.
 Plain, layerwise, recompute and passes have markers of their own; a schedule given with several settings
 ("segments:keep_every=1,segments:keep_every=2") has one colour, its points joined by a line in the order --schedules
-gave them, each labelled with its settings. The time is the first of --threads' (the dump holds every thread
-count's). A method with no figure (skipped, failed, not measured) has no point; the panel says why. The floors are
-time alone and have no point; the dump has them.
+gave them, each labelled with its settings; "auto" with a budget relative to plain's peak
+(`auto:memory_budget=1.5x`) is labelled with the schedule it ran, under a dotted line at its budget. The time is the
+first of --threads' (the dump holds every thread count's). A method with no figure (skipped, failed, not measured)
+has no point; the panel says why. The floors are time alone and have no point; the dump has them.
 
     python benchmarks/_plot.py results.json pictures/    # redraw the pictures of a --json dump
 """
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from _memory import Memory
-from _methods import parse_spec
+from _methods import parse_spec, relative_budget
 from _models import BATCH
 from _table import Row, mib
 
@@ -117,8 +118,13 @@ def _panel(ax: Any, row: Row, groups: dict[str, list[str]], styles: dict[str, tu
                     linestyle="-" if len(got) > 1 else "", linewidth=1)
         for n, (x, y) in got:
             if parse_spec(n).settings:
-                ax.annotate(n.partition(":")[2], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                            color=colour)
+                below = parse_spec(n).schedule == "auto"  # apart from the schedule it ran, often at its point
+                ax.annotate(_label(row, n), (x, y), textcoords="offset points", xytext=(4, -11 if below else 4),
+                            fontsize=7, color=colour)
+        for n in names:
+            factor = relative_budget(n)
+            if factor is not None:  # the line its points must stay under
+                ax.axhline(factor, color=colour, linestyle=":", linewidth=1)
     ax.margins(0.15)
     ax.autoscale_view()
     ax.minorticks_off()
@@ -129,6 +135,14 @@ def _panel(ax: Any, row: Row, groups: dict[str, list[str]], styles: dict[str, tu
         ax.text(0.98, 0.02, "\n".join(missing), transform=ax.transAxes, ha="right", va="bottom", fontsize=6,
                 color="dimgray")
     ax.grid(True, which="both", linewidth=0.3)
+
+
+def _label(row: Row, method: str) -> str:
+    """A point's label: its settings; for "auto", the schedule it ran (`Memory.ran`), its budget being the line."""
+    memory = row.memory.get(method)
+    if parse_spec(method).schedule == "auto" and isinstance(memory, Memory) and memory.ran:
+        return f"ran {memory.ran}"
+    return method.partition(":")[2]
 
 
 # Round ratios per decade, finest first: the ticks of log axes that may span a tenth of a decade or several.

@@ -14,7 +14,7 @@ from _memory import Memory  # noqa: E402
 from _table import Row, Times  # noqa: E402
 
 MiB = 2**20
-SCHEDULES = ["layerwise", "recompute", "passes", "family:c=2", "family:c=4"]
+SCHEDULES = ["layerwise", "recompute", "passes", "family:c=2", "family:c=4", "auto:memory_budget=1.5x"]
 
 
 def fake_rows() -> list[Row]:
@@ -28,6 +28,7 @@ def fake_rows() -> list[Row]:
             for i, s in enumerate(SCHEDULES):
                 memory[s] = Memory((60 - 10 * i) * MiB, MiB, 2 * MiB, ((60 - 10 * i) * MiB,) * 3)
                 rounds[s] = [0.5 * (1 + 0.3 * i)]
+            memory["auto:memory_budget=1.5x"] = memory["auto:memory_budget=1.5x"]._replace(ran="family(c=2)")
             if calls > 20:
                 memory["passes"] = rounds["passes"] = "skipped (53 > 20 BN)"
                 memory["family:c=4"] = rounds["family:c=4"] = "failed"
@@ -66,6 +67,7 @@ def test_a_picture_is_written_for_each_k_from_a_dump(tmp_path):
     assert (tmp_path / "pictures" / "frontier-K16.png").read_bytes().startswith(b"\x89PNG")
     svg = (tmp_path / "pictures" / "frontier-K32.svg").read_text()
     assert "c=2" in svg and "skipped (53 &gt; 20 BN)" in svg  # a family point's label; why a point is missing
+    assert "ran family(c=2)" in svg and "memory_budget" not in svg  # "auto"'s label: what it ran, not its budget
 
 
 def test_without_matplotlib_the_run_is_refused_before_it_starts(monkeypatch):
