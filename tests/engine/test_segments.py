@@ -83,6 +83,37 @@ def test_a_chain_lets_go_of_the_arguments_between_kept_ones(monkeypatch):
     assert depths == [0, 1, 2, 0, 1, 2, 0]  # the stem's run, the five blocks and the head's run: one chain
 
 
+@pytest.mark.parametrize("dropout", [False, True])
+def test_what_a_region_keeps_per_micro_batch_is_no_small_tensor_of_its_own(dropout, monkeypatch):
+    """Small tensors that stay from a region's forward to its backward, one per micro-batch and region, scatter the
+    heap between its large blocks, and the process's peak grows with them: between regions that draw no random
+    number a micro-batch's random-stream state is one tensor, shared by its entries, and a region node keeps its
+    micro-batches' output fingerprints in one tensor."""
+    nodes = []
+    init = segmented.RegionPasses.__init__
+
+    def spy(self, step, entries, outputs):
+        init(self, step, entries, outputs)
+        nodes.append((self.samples, [e.rng for e in entries]))
+
+    monkeypatch.setattr(segmented.RegionPasses, "__init__", spy)
+    model = dropout_chain().double()
+    if not dropout:
+        model.apply(_no_dropout)
+    ref = copy.deepcopy(model)
+    batch = data((1, 8, 8), 8, torch.float64)
+    torch.manual_seed(1)
+    expected = accumnorm.backward(ref, batch, ce_loss, micro_batch_size=2, schedule="layerwise")
+    torch.manual_seed(1)
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="segments", keep_every=1)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    compare(ref, model, 1e-9)
+    assert len(nodes) == 7 and all(samples.shape[0] == 4 for samples, _ in nodes)  # one tensor for the 4
+    states = [{id(rngs[k][0]) for _, rngs in nodes} for k in range(4)]  # micro-batch k's first generator's
+    # the five dropout blocks draw numbers: their states differ; without dropout one state serves every region
+    assert all(len(s) == (6 if dropout else 1) for s in states), states
+
+
 @pytest.mark.parametrize("keep_every", [1, 4])
 def test_random_numbers_in_recomputed_regions_are_the_forwards(keep_every):
     """Every schedule draws each micro-batch's numbers from its own stream, the same in every run: segments, whose

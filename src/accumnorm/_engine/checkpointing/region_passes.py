@@ -50,16 +50,19 @@ class _Stop(BaseException):
     """Ends a correction pass at its call. A BaseException, so that a forward's `except Exception` lets it by."""
 
 
-def fingerprint(outputs: list[Tensor]) -> list[Tensor]:
-    """Two numbers per output, the sum of its values and of their magnitudes, in float64: what the last pass's
-    recomputation must give again."""
+def fingerprint(outputs: list[Tensor]) -> Tensor:
+    """Two numbers per output, the sum of its values and of their magnitudes, in float64 (a row each): what the last
+    pass's recomputation must give again."""
     with torch.no_grad():
-        return [torch.stack([o.double().sum(), o.double().abs().sum()]) for o in outputs]
+        if not outputs:
+            return torch.zeros(0, 2, dtype=torch.float64)
+        return torch.stack([torch.stack([o.sum(dtype=torch.float64), o.abs().sum(dtype=torch.float64)])
+                            for o in outputs])
 
 
-def _same(again: list[Tensor], forward: list[Tensor], outputs: list[Tensor]) -> bool:
+def _same(again: Tensor, forward: Tensor, outputs: list[Tensor]) -> bool:
     """Whether a recomputation's fingerprints are the forward's, to its outputs' dtypes' rounding."""
-    return len(again) == len(forward) and all(
+    return again.shape == forward.shape and all(
         bool(torch.allclose(a, b, rtol=_tolerance(o.dtype), atol=0.0)) for a, b, o in zip(again, forward, outputs))
 
 
@@ -95,6 +98,9 @@ class RegionPasses:
 
     def __init__(self, step: Any, entries: list[Any], outputs: list[list[Tensor]]) -> None:
         self.step, self.entries, self.outputs = step, entries, outputs
+        # Every micro-batch's fingerprints of its outputs (`fingerprint`), in one tensor: a block per region node, not
+        # a small one per micro-batch among the large ones of the heap until the backward.
+        self.samples = torch.stack([fingerprint(o) for o in outputs])
         self.calls: list[CallReplay] = entries[0].calls  # every micro-batch's calls share their replays
         self.counts = [len(o) for o in outputs]
         self.depth = 0  # how many regions below this one let go of their arguments (`segmented`)
@@ -207,7 +213,7 @@ class RegionPasses:
         entry = self.entries[k]
         with torch.no_grad():
             outputs, _, _ = self._recompute(entry, self._arguments(entry, k), None, _AGAIN, None)
-        if not _same(fingerprint([outputs[j]]), entry.sample[j:j + 1], outputs[j:j + 1]):
+        if not _same(fingerprint([outputs[j]]), self.samples[k, j:j + 1], outputs[j:j + 1]):
             raise RegionStateChanged(
                 f"the segments schedule recomputes a region's output for the region after it, but micro-batch {k}'s "
                 "recomputation gave another output than its forward (state shared between micro-batches, or "
@@ -274,7 +280,7 @@ class RegionPasses:
 
     def _check_outputs(self, k: int, entry: Any, outputs: list[Tensor]) -> None:
         """The last pass's outputs must be the forward's (module doc)."""
-        if _same(fingerprint(outputs), entry.sample, outputs):
+        if _same(fingerprint(outputs), self.samples[k], outputs):
             return
         raise RegionStateChanged(
             f"the segments schedule runs a region's forward again in the backward, but micro-batch {k}'s "

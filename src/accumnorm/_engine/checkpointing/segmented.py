@@ -31,7 +31,7 @@ from ..memory.budget import Meter
 from ..safety.threadstate import Modes, saved_tensor_hooks
 from .checkpointed import RegionState, patched
 from .frames import RegionStateChanged, in_recomputation, in_region, in_segment, keeping_nothing
-from .region_passes import RegionPasses, fingerprint
+from .region_passes import RegionPasses
 from .regions import Region, region_modules
 
 __all__ = ["Entry", "RegionExit", "SegmentedRegions"]
@@ -49,7 +49,6 @@ class Entry:
     rng: list[Tensor]  # the micro-batch's random-stream state at the call, per generator
     modes: Modes
     calls: list[CallReplay] = field(default_factory=list)  # the met BatchNorm calls it made, in order
-    sample: list[Tensor] = field(default_factory=list)  # its outputs' fingerprints
     refusal: Callable[[Any], None] | None = None  # of a backward through its last BatchNorm call (`Step`)
     positions: list[int] = field(default_factory=list)  # which of the outputs' leaves the region's node gives
     # argument position -> (the region before, whose output it is, and which output): what it can be recomputed from
@@ -89,6 +88,9 @@ class SegmentedRegions:
         # Each micro-batch's outputs of the last region node it left, as (the node's passes, weak references to the
         # outputs, their versions then): a region called on one of them, unchanged, can recompute it from there.
         self.last: list[tuple[RegionPasses, list[weakref.ref], list[int]] | None] = [None] * len(step.micro_batches)
+        # Each micro-batch's random-stream states at its last region call: the same tensors again while no random
+        # number was drawn since (`_rng_states`)
+        self.rng: list[list[Tensor]] = [[] for _ in step.micro_batches]
         self.node: RegionPasses | None = None  # the last region node made
         self.lockstep: Any = None  # the lockstep that runs the forwards (`attach`)
         self.state: RegionState | None = None
@@ -107,6 +109,7 @@ class SegmentedRegions:
         """Let go of the lockstep and the last call's refusal, which hold each other and this (a cycle)."""
         self.lockstep = self.refusal = self.node = None
         self.last = [None] * len(self.last)
+        self.rng = [[] for _ in self.rng]
 
     def changed(self) -> str | None:
         """What a forward changed in the regions' modules, which their recomputation would not see; None if nothing."""
@@ -134,8 +137,8 @@ class SegmentedRegions:
         leaves, spec = tree_flatten((args, kwargs))
         tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         versions = [leaves[i]._version for i in tensors]
-        entry = Entry(region, forward, leaves, spec, tensors, [g.get_state() for g in self.step.rng.generators],
-                      Modes.current(), sources=self._sources(k, leaves, tensors))
+        entry = Entry(region, forward, leaves, spec, tensors, self._rng_states(k), Modes.current(),
+                      sources=self._sources(k, leaves, tensors))
         self.open[k] = entry
         hooks, kept = keeping_nothing()
         try:
@@ -157,7 +160,7 @@ class SegmentedRegions:
         outputs = [out_leaves[i].detach() for i in positions]
         for i in positions:  # the forward's graph of the region goes
             out_leaves[i] = None
-        entry.sample, entry.positions = fingerprint(outputs), positions
+        entry.positions = positions
         given = self.lockstep.pause(RegionExit(entry, outputs))
         del outputs
         self.last[k] = (self.node, [weakref.ref(t) for t in given], [t._version for t in given])
@@ -192,6 +195,17 @@ class SegmentedRegions:
                     if e.leaves[i] is not None:
                         self.meter.count(e.leaves[i])
         return outputs
+
+    def _rng_states(self, k: int) -> list[Tensor]:
+        """Micro-batch k's random-stream states at a region call, one per generator. A state unchanged since its last
+        region call is that call's tensor again: between regions that draw no random number, no new tensor stays
+        until the backward, a small block among the large ones of the heap."""
+        last, states = self.rng[k], []
+        for i, g in enumerate(self.step.rng.generators):
+            state = g.get_state()
+            states.append(last[i] if i < len(last) and torch.equal(last[i], state) else state)
+        self.rng[k] = states
+        return states
 
     def _sources(self, k: int, leaves: list[Any], tensors: list[int]) -> dict[int, tuple[RegionPasses, int]]:
         """The arguments of micro-batch k's region call that are, unchanged, outputs of the last region node it
