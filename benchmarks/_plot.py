@@ -118,7 +118,7 @@ def _panel(ax: Any, row: Row, groups: dict[str, list[str]], styles: dict[str, tu
                     linestyle="-" if len(got) > 1 else "", linewidth=1)
         for n, (x, y) in got:
             if parse_spec(n).settings:
-                below = parse_spec(n).schedule == "auto"  # apart from the schedule it ran, often at its point
+                below = group == "auto"  # apart from the schedule it ran, often at its point
                 ax.annotate(_label(row, n), (x, y), textcoords="offset points", xytext=(4, -11 if below else 4),
                             fontsize=7, color=colour)
         for n in names:

@@ -173,7 +173,7 @@ class RegionPasses:
         for k, (entry, given, dy) in enumerate(zip(entries, values, dys)):
             start = _next_sequence_nr()
             outputs, inputs, _ = self._recompute(entry, given, sums, _LAST, None)
-            self._check_outputs(k, entry, outputs)
+            self._check_outputs(k, outputs)
             totals.append(self._back_propagate(outputs, dy, inputs, start))
         for t in reversed(range(split)):
             sums[t].finish(self.step.collectives.sum_)
@@ -278,7 +278,7 @@ class RegionPasses:
                 if m in watch.versions:
                     watch.versions[m] = counter._version
 
-    def _check_outputs(self, k: int, entry: Any, outputs: list[Tensor]) -> None:
+    def _check_outputs(self, k: int, outputs: list[Tensor]) -> None:
         """The last pass's outputs must be the forward's (module doc)."""
         if _same(fingerprint(outputs), self.samples[k], outputs):
             return
