@@ -605,17 +605,18 @@ def test_no_dynamo_state_leaks_out_of_a_step(fails, schedule_any):
 @given(spec=random_networks.networks())
 def test_random_networks_compiled_match_whole_batch_in_every_schedule(spec):
     """The property test's random networks (tests/engine/test_random_networks.py), torch.compile'd (aot_eager), with
-    their torch dropout in eval mode: every exact schedule matches whole-batch eager torch."""
+    their torch dropout in eval mode: every exact schedule, segments at two settings, matches whole-batch eager
+    torch."""
     model = random_networks.build(spec)
     for m in random_networks.random_dropouts(model):
         m.eval()
     batch = random_networks.random_batch(spec["n"], spec["seed"])
     ref, twin = copy.deepcopy(model), copy.deepcopy(model)
     expected = random_networks.whole_batch_and_reversed(ref, twin, batch)
-    for name in ("layerwise", "recompute", "passes"):
+    for name, setting in random_networks.RUNS:
         dynamo.reset()
         ours = copy.deepcopy(model)
         loss = accumnorm.backward(torch.compile(ours, backend="aot_eager"), batch, random_networks.loss_fn,
-                                  micro_batch_size=spec["micro"], schedule=name)
+                                  micro_batch_size=spec["micro"], schedule=name, **setting)
         compare_within_rounding(ref, twin, ours, 1e-9, random_networks.SLACK)
-        assert rel_err(loss, expected) < 1e-10, name
+        assert rel_err(loss, expected) < 1e-10, (name, setting)
