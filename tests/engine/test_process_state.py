@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import accumnorm
 from helpers import EXACT_SCHEDULES, assert_unchanged, ce_loss, compare, cpu_env, rel_err, snapshot, whole_batch
-from models import data
+from models import data, resnet
 
 
 def _tiny() -> nn.Module:
@@ -348,13 +348,14 @@ def test_failed_steps_on_a_checkpointed_model_free_everything(schedule, failure,
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["step", "failed step"])
-def test_a_step_leaves_nothing_for_pythons_collector(schedule, fails):
+@pytest.mark.parametrize("make", ["checkpointed", "blocks"])
+def test_a_step_leaves_nothing_for_pythons_collector(schedule, fails, make):
     """What a step made is freed when it returns, as what torch's backward makes is: no tensor (the transaction's
     copies of the gradients, the micro-batches) and no object of the step's waits in a reference cycle for
     Python's next full collection, which may be many steps away (steps on resnet18 with zero_grad(set_to_none=False)
-    held hundreds of MiB more)."""
-    model = _Checkpointed()
-    x, y = data((6,), 8)
+    held hundreds of MiB more). On a model of residual blocks recompute and segments run in regions of their own,
+    whose patched forwards their check of the modules' attributes had kept."""
+    model, (x, y) = (_Checkpointed(), data((6,), 8)) if make == "checkpointed" else (resnet(), data((1, 8, 8), 8))
 
     def loss_fn(m, b):
         loss = ce_loss(m, b)

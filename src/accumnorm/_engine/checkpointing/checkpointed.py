@@ -242,6 +242,11 @@ class RegionState:
                     self.called_otherwise = (m, key)
                     return
 
+    def close(self) -> None:
+        """Let go of the attributes copied: they hold the patched forwards, which hold the schedule's region call,
+        which may hold this (a cycle that would keep the step for Python's next full collection)."""
+        self.attributes = {}
+
     def changed(self, names: dict[nn.Module, str]) -> str | None:
         for m, before in self.attributes.items():
             key = _differs(before, vars(m))

@@ -106,8 +106,9 @@ class SegmentedRegions:
         self.state = RegionState(self.regions)
 
     def close(self) -> None:
-        """Let go of the lockstep and the last call's refusal, which hold each other and this (a cycle)."""
-        self.lockstep = self.refusal = self.node = None
+        """Let go of the lockstep and the last call's refusal, which hold each other and this (a cycle), and of the
+        modules' attributes `state` copied, whose patched forwards hold this too."""
+        self.lockstep = self.refusal = self.node = self.state = None
         self.last = [None] * len(self.last)
         self.rng = [[] for _ in self.rng]
 

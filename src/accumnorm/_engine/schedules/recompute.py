@@ -58,4 +58,7 @@ class Recompute(Schedule):
                 if isinstance(store, Meter):  # "auto": the backward recomputes a region for every micro-batch at once
                     store.reserve(largest_saved(regions))
 
-            lockstep(step, store, before_backward=before_backward)
+            try:
+                lockstep(step, store, before_backward=before_backward)
+            finally:
+                state.close()
