@@ -575,3 +575,92 @@ def test_a_model_as_deep_as_whole_batch_torch_runs_runs_in_a_step(schedule):
     accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule)
     whole_batch(ref, batch)
     compare(ref, ours, 1e-9)
+
+
+@pytest.fixture
+def collector_as_it_was():
+    """Python's collector enabled, its thresholds and callbacks, put back after the test; gives the thresholds."""
+    enabled, thresholds, callbacks = gc.isenabled(), gc.get_threshold(), list(gc.callbacks)
+    yield thresholds
+    gc.set_threshold(*thresholds)
+    gc.callbacks[:] = callbacks
+    gc.enable() if enabled else gc.disable()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["step", "failed step"])
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector on", "collector off"])
+def test_pythons_collector_is_off_while_a_step_runs_and_as_it_was_after(schedule_any, fails, enabled,
+                                                                        collector_as_it_was):
+    """No collection runs from the step's first forward to its last gradient, even with the collector's thresholds
+    at their lowest; after the step, committed or not, the collector is on or off as the caller had it."""
+    model, batch = _tiny(), data((6,), 8, torch.float64)
+    events = []  # in order: "loss" (a forward's loss), "grad" (a gradient in the backward), "collection"
+    for p in model.parameters():
+        p.register_hook(lambda g: events.append("grad"))
+
+    def loss_fn(m, b):
+        events.append(("loss", gc.isenabled()))
+        garbage = [[] for _ in range(50)]  # objects enough for a collection at the lowest thresholds
+        for x, y in zip(garbage, garbage[1:]):
+            x.append(y)
+            y.append(x)
+        if fails and len(events) > 4:
+            events.append("grad")  # the step's last moment here
+            raise RuntimeError("failure in micro-batch 2")
+        return ce_loss(m, b)
+
+    gc.enable() if enabled else gc.disable()
+    gc.set_threshold(1, 1, 1)
+    gc.callbacks.append(lambda phase, info: events.append("collection") if phase == "start" else None)
+    try:
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, schedule=schedule_any)
+    except RuntimeError as e:
+        assert fails and "failure in micro-batch 2" in str(e)
+    enabled_after = gc.isenabled()
+    gc.set_threshold(*collector_as_it_was)
+    first = next(i for i, e in enumerate(events) if isinstance(e, tuple))
+    last = max(i for i, e in enumerate(events) if e == "grad")
+    assert [e for e in events[first:last] if isinstance(e, tuple)] == [("loss", False)] * sum(
+        isinstance(e, tuple) for e in events)
+    assert "collection" not in events[first:last]
+    assert enabled_after == enabled
+
+
+@pytest.mark.parametrize("first_to_end", [0, 1])
+def test_steps_overlapping_on_two_threads_leave_the_collector_on_once_the_last_ends(first_to_end,
+                                                                                  collector_as_it_was):
+    """The first step to start turns the collector off, the last to end puts it back, in either order."""
+    gc.enable()
+    inside, first_ended = threading.Barrier(2, timeout=60), threading.Event()
+    during, after_the_first, errors = [], [], []
+    models = [_tiny(), _tiny()]
+    batches = [data((6,), 8, torch.float64), data((6,), 8, torch.float64)]
+
+    def run(i: int) -> None:
+        waited = []
+
+        def loss_fn(m, b):
+            if not waited:  # the step's first micro-batch: wait until both steps run
+                waited.append(True)
+                during.append(gc.isenabled())
+                inside.wait()
+                if i != first_to_end:
+                    first_ended.wait(timeout=60)
+            return ce_loss(m, b)
+
+        try:
+            accumnorm.backward(models[i], batches[i], loss_fn, micro_batch_size=2, schedule="layerwise")
+        except BaseException as e:  # handed to the test's thread
+            errors.append(e)
+        if i == first_to_end:
+            after_the_first.append(gc.isenabled())
+            first_ended.set()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert during == [False, False] and after_the_first == [False]
+    assert gc.isenabled()

@@ -10,6 +10,7 @@ buffer and the caller's random state are as they were.
 """
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -148,6 +149,12 @@ def backward(
         modules' attributes or buffers is found before the backward and the step runs under layerwise instead,
         with a warning; random numbers are replayed (``preserve_rng_state``).
 
+    .. note::
+        Python's cyclic garbage collector is off while a step's forwards and backward run (on any thread), and back
+        as it was, before the step commits, once the last running step's are done: the step's own objects go by
+        reference count, and a collection during it would walk every object in the process for nothing. Reference
+        cycles your functions make during the step are collected after it.
+
     Example::
 
         optimizer.zero_grad()
@@ -207,6 +214,18 @@ _ROOM_FOR_THE_STEPS_FRAMES = WhileStepsRun(sys.getrecursionlimit, sys.setrecursi
                                            lambda limit: limit + _STEP_FRAMES)
 
 
+def _set_collector(enabled: bool) -> None:
+    gc.enable() if enabled else gc.disable()
+
+
+# Python's cyclic garbage collector is off while a step's forwards and backward run, on any thread. The step's
+# objects (its records of each BatchNorm and region call, the coroutines' frames) live from the forward to the
+# backward and go by reference count as it ends; collections during it would promote them to the oldest generation,
+# and so bring on full collections, each a walk over every object in the process. Training loops that count their
+# milliseconds do the same for the whole run (torchtitan's `gc.disable()`).
+_COLLECTOR_OFF = WhileStepsRun(gc.isenabled, _set_collector, lambda enabled: False)
+
+
 @contextmanager
 def _exact_forwards(modules: list[nn.Module]) -> Iterator[None]:
     """For an exact step's length: the step forwards of torch's layers, and higher-order ops that dynamo traces where
@@ -246,7 +265,9 @@ def _transaction(call: StepCall, names: dict[nn.Module, str],
             transaction.begin()
             step.rng.rewind()
 
-        with _exact_forwards(transaction.modules) if call.exact else nullcontext():
+        # The collector is back before the commit: a collection it then runs (its callbacks, __del__ methods) runs
+        # while the step can still be undone.
+        with _COLLECTOR_OFF.held(), _exact_forwards(transaction.modules) if call.exact else nullcontext():
             step = run(new_step, start_over)
         loss = step.losses.result()
         call.collectives.sum_grads_(transaction.params)
