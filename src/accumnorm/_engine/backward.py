@@ -150,10 +150,10 @@ def backward(
         with a warning; random numbers are replayed (``preserve_rng_state``).
 
     .. note::
-        Python's cyclic garbage collector is off while a step's forwards and backward run (on any thread), and back
-        as it was, before the step commits, once the last running step's are done: the step's own objects go by
-        reference count, and a collection during it would walk every object in the process for nothing. Reference
-        cycles your functions make during the step are collected after it.
+        Python's cyclic garbage collector is off while a step's forwards and backward run, on any thread; once no
+        step's are running it is back as it was, before the step commits. The step's own objects go by reference
+        count, and a collection during it would walk every object in the process for nothing. Reference cycles your
+        functions make during the step are collected after it.
 
     Example::
 
