@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
 from ..bn.replay import CallReplay
-from ..intercept.calls import BNCall, INCall, NormCalls
+from ..intercept.calls import BNCall, INCall, NormCalls, StopPass
 from ..safety.graphs import BATCH_NORM_NODES
 from ..safety.threadstate import Modes, autocast_cache_off
 from .frames import RegionStateChanged
@@ -44,10 +44,6 @@ _next_sequence_nr = torch._C._autograd._get_sequence_nr
 # The passes of a region's recomputation (`RegionPasses._recompute`): a call's backward sums, the last pass, a
 # call's correction, and its outputs again without grad.
 _SUMS, _LAST, _CORRECT, _AGAIN = "sums", "last", "correct", "again"
-
-
-class _Stop(BaseException):
-    """Ends a correction pass at its call. A BaseException, so that a forward's `except Exception` lets it by."""
 
 
 def fingerprint(outputs: list[Tensor]) -> Tensor:
@@ -240,7 +236,7 @@ class RegionPasses:
             if i == target:
                 if mode == _CORRECT:  # the pass has its call's input: the rest of the forward is not needed
                     cut[0] = x
-                    raise _Stop
+                    raise StopPass
                 x = cut[0] = x.detach().requires_grad_()
             return normalize(x, stats.mean, stats.var, call.weight, call.bias, call.eps, sums[i])
 
@@ -252,7 +248,7 @@ class RegionPasses:
             with entry.modes.entered(Modes.current()), autocast_cache_off(), \
                     NormCalls(batch_norm, INCall.output, self.step.watch):
                 out = entry.forward(*args, **kwargs)
-        except _Stop:
+        except StopPass:
             return [], inputs, cut[0]
         finally:
             for g, state in zip(generators, before):

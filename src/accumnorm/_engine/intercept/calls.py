@@ -34,7 +34,7 @@ from ..safety import untraced
 from ..safety.graphs import Graphs
 from ..safety.threadstate import Modes
 
-__all__ = ["BNCall", "INCall", "NormCalls", "Watch", "batch_statistics_call", "describe", "describe_layer"]
+__all__ = ["BNCall", "INCall", "NormCalls", "StopPass", "Watch", "batch_statistics_call", "describe", "describe_layer"]
 
 _BATCH_NORM = {  # the batch-norm functions and their argument order
     F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
@@ -48,6 +48,11 @@ _INSTANCE_NORM = {
 _GRAD = torch.autograd.grad
 _DEFAULTS = {"running_mean": None, "running_var": None, "weight": None, "bias": None, "training": False,
              "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
+
+
+class StopPass(BaseException):
+    """Ends a forward at a BatchNorm call, where a pass has what it runs for. A BaseException, so that a forward's
+    `except Exception` lets it by."""
 
 
 @dataclass(eq=False)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
-from ..intercept.calls import BNCall, INCall
+from ..intercept.calls import BNCall, INCall, StopPass
 from ..memory.budget import Meter
 from ..memory.store import Store
 from ..safety.threadstate import autocast_cache_off
@@ -45,10 +45,6 @@ from ..step.step import Step
 from .base import Schedule
 
 __all__ = ["Passes"]
-
-
-class _Stop(BaseException):
-    """Ends a truncated pass at its target BN call. A BaseException so user `except Exception` won't eat it."""
 
 
 # What `_forward` returns for a forward that a truncated pass stopped (not None: a forward_fn may return None).
@@ -124,7 +120,7 @@ class _Passes:
         return y
 
     def _normalized(self, call: _PassCall, i: int, bn: BNCall) -> Tensor:
-        """Call i's output in the current pass (or _Stop at the pass's target)."""
+        """Call i's output in the current pass (or StopPass at the pass's target)."""
         x, w, b, eps = bn.input, bn.weight, bn.bias, bn.eps
         mean, var = (None, None) if call.stats is None else (call.stats.mean, call.stats.var)
         if i == self.target and self.mode in (self.STATS, self.CORRECT):
@@ -133,7 +129,7 @@ class _Passes:
                 call.rows += x.shape[0]
             else:
                 call.input = x
-            raise _Stop
+            raise StopPass
         if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
             def output(x: Tensor) -> Tensor:
                 return normalize_with(x, mean, var, w, b, eps)
@@ -182,7 +178,7 @@ class _Passes:
         self.forwarding = True
         try:
             loss = self.step.forward(k)
-        except _Stop:
+        except StopPass:
             return _STOPPED
         except BaseException as e:  # as layerwise says it: where it happened
             e.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
