@@ -7,7 +7,9 @@ Plain, layerwise, recompute and passes have markers of their own; a schedule giv
 gave them, each labelled with its settings; "auto" with a budget relative to plain's peak
 (`auto:memory_budget=1.5x`) is labelled with the schedule it ran, under a dotted line at its budget. The time is the
 first of --threads' (the dump holds every thread count's). A method with no figure (skipped, failed, not measured)
-has no point; the panel says why. The floors are time alone and have no point; the dump has them.
+has no point; the panel says why, but an "auto" timed apart from its memory (its budget is plain's peak in the same
+run): it is placed at the time of the schedule it ran, timed under that schedule's own name. The floors are time
+alone and have no point; the dump has them.
 
     python benchmarks/_plot.py results.json pictures/    # redraw the pictures of a --json dump
 """
@@ -60,10 +62,20 @@ def point(row: Row, method: str) -> tuple[float, float] | str:
         return memory if isinstance(memory, str) else "plain's memory not measured"
     if not row.timing:
         return "not timed"
-    time = next(iter(row.timing.values())).ratio(method)
+    timing = next(iter(row.timing.values()))
+    time = timing.ratio(method)
+    if isinstance(time, str) and relative_budget(method) is not None and memory.ran:
+        time = timing.ratio(method_of(memory.ran))  # untimed "auto": at the time of the schedule it ran
     if isinstance(time, str) or math.isnan(time):
         return time if isinstance(time, str) else "not timed"
     return time, memory.peak / plain.peak
+
+
+def method_of(label: str) -> str:
+    """The method name of a schedule as `accumnorm.last_schedule` labels it: "segments(keep_every=2)" is
+    "segments:keep_every=2"."""
+    schedule, _, settings = label.partition("(")
+    return ":".join([schedule, *(s.strip() for s in settings.rstrip(")").split(",") if s.strip())])
 
 
 def frontiers(rows: list[Row], schedules: list[str], directory: str) -> list[str]:

@@ -57,6 +57,20 @@ def test_a_point_is_time_and_peak_over_plains_or_why_there_is_none():
     assert _plot.point(Row("x", 1, 4, study.memory, {}), "recompute") == "not timed"
 
 
+def test_an_untimed_auto_is_placed_at_the_time_of_the_schedule_it_ran():
+    """A run that measured memory apart from time cannot time "auto" at a budget relative to plain's peak: its point
+    is the time of the schedule it ran, timed under that schedule's name in the same row, at its own peak."""
+    study = fake_rows()[0]
+    timing = study.timing[1]
+    del timing.rounds["auto:memory_budget=1.5x"]
+    time, peak = _plot.point(study, "auto:memory_budget=1.5x")
+    assert time == timing.ratio("family:c=2") and peak == 10 / 20
+    study.memory["auto:memory_budget=1.5x"] = study.memory["auto:memory_budget=1.5x"]._replace(ran="")
+    assert _plot.point(study, "auto:memory_budget=1.5x") == "-"  # ran nothing known: no point
+    assert _plot.method_of("segments(keep_every=2)") == "segments:keep_every=2"
+    assert _plot.method_of("passes") == "passes"
+
+
 def test_a_picture_is_written_for_each_k_from_a_dump(tmp_path):
     pytest.importorskip("matplotlib")
     dump = tmp_path / "results.json"
