@@ -12,6 +12,7 @@ run): it is placed at the time of the schedule it ran, timed under that schedule
 alone and have no point; the dump has them.
 
     python benchmarks/_plot.py results.json pictures/    # redraw the pictures of a --json dump
+    python benchmarks/_plot.py time.json memory.json pictures/    # of runs that measured time and memory apart
 """
 from __future__ import annotations
 
@@ -53,6 +54,26 @@ def load(path: str) -> tuple[str, list[str], list[Row]]:
     with open(path) as f:
         data = json.load(f)
     return data["header"], data["schedules"], [Row.from_json(r) for r in data["rows"]]
+
+
+def load_joined(paths: list[str]) -> tuple[list[str], list[Row]]:
+    """Several dumps' schedules (each once, in order) and rows, joined: a model at a K in more than one dump is one
+    row, each figure from the first dump that measured it (memory and time measured in runs of their own)."""
+    schedules: list[str] = []
+    rows: dict[tuple[str, int], Row] = {}
+    for path in paths:
+        _, theirs, loaded = load(path)
+        schedules += [s for s in theirs if s not in schedules]
+        for row in loaded:
+            have = rows.setdefault((row.name, row.k), row)
+            if have is row:
+                continue
+            for method, figure in row.memory.items():
+                if not isinstance(have.memory.get(method), Memory):  # none yet, or only why there is none
+                    have.memory[method] = figure
+            for threads, times in row.timing.items():
+                have.timing.setdefault(threads, times)
+    return schedules, list(rows.values())
 
 
 def point(row: Row, method: str) -> tuple[float, float] | str:
@@ -172,11 +193,12 @@ def _ticks(low: float, high: float, most: int = 7) -> list[float]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dump", help="a JSON file of bench_backward.py --json")
+    p.add_argument("dumps", nargs="+", metavar="dump",
+                   help="JSON files of bench_backward.py --json; several are joined (`load_joined`)")
     p.add_argument("directory", help="where the pictures go")
     args = p.parse_args(argv)
     require_matplotlib(p.error)
-    _, schedules, rows = load(args.dump)
+    schedules, rows = load_joined(args.dumps)
     print(*(f"wrote {path}" for path in frontiers(rows, schedules, args.directory)), sep="\n")
 
 

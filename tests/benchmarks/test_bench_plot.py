@@ -57,6 +57,22 @@ def test_a_point_is_time_and_peak_over_plains_or_why_there_is_none():
     assert _plot.point(Row("x", 1, 4, study.memory, {}), "recompute") == "not timed"
 
 
+def test_dumps_of_memory_and_time_measured_apart_are_joined_row_by_row(tmp_path):
+    """A run with --rounds 0 (memory) and one with --no-memory (time) of the same models and K: one row each, its
+    memory from the first and its time from the second; a row in one dump alone stays as it is."""
+    measured = fake_rows()
+    memory_only = [Row(r.name, r.calls, r.k, r.memory, {}) for r in measured]
+    time_only = [Row(r.name, r.calls, r.k, {"passes": "skipped (53 > 20 BN)"} if r.calls > 20 else {}, r.timing)
+                 for r in measured[:3]]
+    _plot.dump(str(tmp_path / "memory.json"), "memory", SCHEDULES[:3], memory_only)
+    _plot.dump(str(tmp_path / "time.json"), "time", ["passes", "family:c=2"], time_only)
+    schedules, rows = _plot.load_joined([str(tmp_path / "time.json"), str(tmp_path / "memory.json")])
+    assert schedules == ["passes", "family:c=2", "layerwise", "recompute"]
+    assert [(r.name, r.k) for r in rows] == [(r.name, r.k) for r in measured]
+    assert [r.to_json() for r in rows[:3]] == [r.to_json() for r in measured[:3]]  # each figure where it was measured
+    assert rows[3].timing == {} and rows[3].memory["plain"] == measured[3].memory["plain"]  # in the memory run alone
+
+
 def test_an_untimed_auto_is_placed_at_the_time_of_the_schedule_it_ran():
     """A run that measured memory apart from time cannot time "auto" at a budget relative to plain's peak: its point
     is the time of the schedule it ran, timed under that schedule's name in the same row, at its own peak."""
