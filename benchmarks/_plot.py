@@ -96,7 +96,7 @@ def method_of(label: str) -> str:
     """The method name of a schedule as `accumnorm.last_schedule` labels it: "segments(keep_every=2)" is
     "segments:keep_every=2"."""
     schedule, _, settings = label.partition("(")
-    return ":".join([schedule, *(s.strip() for s in settings.rstrip(")").split(",") if s.strip())])
+    return str(parse_spec(":".join([schedule, *settings.rstrip(")").split(",")]) if settings else schedule))
 
 
 def frontiers(rows: list[Row], schedules: list[str], directory: str) -> list[str]:
