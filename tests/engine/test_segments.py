@@ -271,3 +271,24 @@ def test_segments_keeps_every_region_after_recompute_measured_which_keep_little(
 def _where(region) -> object:
     """A region by what it covers: a module, or a run's Sequential and children (each choice makes new runs)."""
     return (region.parent, region.start, region.stop) if isinstance(region, Run) else region
+
+
+def test_a_cpu_step_hands_the_heaps_free_memory_back_at_each_regions_exit_and_after_its_backward(monkeypatch):
+    """On the CPU each region node's forward (every micro-batch's, met at its exit) and its backward leave blocks the
+    heap keeps resident (`memory.heap`): segments hands them back at both, and the step stays exact."""
+    from accumnorm._engine.memory import heap
+
+    events: list[str] = []
+    node_backward = segmented.RegionPasses.backward
+    monkeypatch.setattr(heap, "_TRIM", lambda pad: events.append("trim") or 1)
+    monkeypatch.setattr(segmented.RegionPasses, "backward",
+                        lambda self, grads: events.append("backward") or node_backward(self, grads))
+    ref = dropout_chain().double().apply(_no_dropout)
+    ours = copy.deepcopy(ref)
+    batch = data((1, 8, 8), 8, torch.float64)
+    expected = accumnorm.backward(ref, batch, ce_loss, micro_batch_size=2, schedule="layerwise")
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule="segments")
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    compare(ref, ours, 1e-9)
+    # seven region nodes: a trim at each one's exit in the forward, then after each one's backward
+    assert events == ["trim"] * 7 + ["backward", "trim"] * 7

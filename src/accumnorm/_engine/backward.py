@@ -97,8 +97,9 @@ def backward(
             forward more (see docs/schedules.md). "segments": as recompute, but each region's backward
             recomputes one micro-batch at a time (in the passes schedule's passes, over the region alone), so
             that it never holds a region's recomputation for the whole batch; with `keep_every`, it also lets
-            go of regions' arguments it can recompute. "passes": 2L + 1 passes for L BatchNorm calls, the
-            memory of one micro-batch. "auto": the first of layerwise, recompute, segments (at keep_every 1, 2,
+            go of regions' arguments it can recompute; on the CPU it hands the heap's free memory back to the
+            OS after each region. "passes": 2L + 1 passes for L BatchNorm calls, the memory of one
+            micro-batch. "auto": the first of layerwise, recompute, segments (at keep_every 1, 2,
             then 4) and passes whose memory fits `memory_budget`, judged from this model's figures (measured at
             its first step, which runs metered and stops before it passes the budget); on CUDA, an
             out-of-memory error sends the step to the next one too. `accumnorm.last_schedule(model)` tells

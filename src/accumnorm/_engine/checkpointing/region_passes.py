@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
 from ..bn.replay import CallReplay
 from ..intercept.calls import BNCall, INCall, NormCalls, StopPass
+from ..memory.heap import release_free_memory
 from ..safety.graphs import BATCH_NORM_NODES
 from ..safety.threadstate import Modes, autocast_cache_off
 from .frames import RegionStateChanged
@@ -85,6 +86,7 @@ class RegionNode(torch.autograd.Function):
                 "for one backward, the step's. Nothing was changed. Add that backward's term to the loss you return "
                 "instead, or use schedule='layerwise'")
         grads_in = passes.backward(list(grads))
+        release_free_memory(passes.device)  # the region's recomputations are gone (`memory.heap`)
         return (None, *grads_in, *[None] * (len(ctx.needs_input_grad) - 1 - len(grads_in)))
 
 
@@ -99,6 +101,7 @@ class RegionPasses:
         self.samples = torch.stack([fingerprint(o) for o in outputs])
         self.calls: list[CallReplay] = entries[0].calls  # every micro-batch's calls share their replays
         self.counts = [len(o) for o in outputs]
+        self.device = next((t.device for o in outputs for t in o), torch.device("cpu"))
         self.depth = 0  # how many regions below this one let go of their arguments (`segmented`)
         modules = [d for m in region_modules(entries[0].region) for d in m.modules()]
         self.backward_hooks = bool(torch.nn.modules.module._global_backward_hooks) or any(

@@ -28,6 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..bn.replay import CallReplay
 from ..memory.budget import Meter
+from ..memory.heap import release_free_memory
 from ..safety.threadstate import Modes, saved_tensor_hooks
 from .checkpointed import RegionState, patched
 from .frames import RegionStateChanged, in_recomputation, in_region, in_segment, keeping_nothing
@@ -187,6 +188,7 @@ class SegmentedRegions:
         outputs = passes.node(self._running)
         self.step.graphs.met_region(outputs, [[e.leaves[i] for i in e.tensors] for e in entries])
         dropped = self._keep_or_drop(passes, entries)
+        release_free_memory(passes.device)  # every micro-batch's forward of the region is gone (`memory.heap`)
         # Its backward holds one micro-batch's recomputation at a time, and every micro-batch's dropped arguments
         # recomputed for it.
         self.backward_bytes = max(self.backward_bytes, max(e.saved for e in entries) + dropped)

@@ -1,7 +1,8 @@
 """Layer `memory`: what a step may keep, where it keeps it, and what each schedule was measured to need.
 
 `budget`: `memory_budget=`, the `Meter` of saved tensors, the per-model figures and `last_schedule`; `store`:
-where the layerwise schedule keeps the whole batch's saved tensors (pinned host memory on CUDA).
+where the layerwise schedule keeps the whole batch's saved tensors (pinned host memory on CUDA); `heap`: the C
+heap's free memory handed back to the OS where a CPU step lets go of a region.
 
 Imports: torch and `accumnorm._dist`; no other layer of the engine.
 """
