@@ -5,7 +5,8 @@ the recompute schedule makes of a model.
 region's BatchNorm calls recorded in the forward, and its recomputation made to give their outputs again;
 `regions`: which modules the recompute schedule checkpoints; `checkpointed`: their forwards checkpointed for a
 step; `kept`: the convolutions whose outputs the regions keep instead of recomputing them; `segmented`: the
-segments schedule's regions, met at their exits; `region_passes`: their backward, one micro-batch at a time.
+segments schedule's regions, met at their exits; `region_passes`: their backward, one micro-batch at a time;
+`region_checks`: what each of its recomputations must be for it to be exact.
 
 Imports: the layers below (`bn`, `safety`, `memory`, `intercept`).
 """

@@ -14,10 +14,8 @@ and sum(dy * x_hat), which need every micro-batch's gradient at its output. So, 
      input gradients), the parameters, and any other leaf the region reaches (which joins the step's transaction).
 
 Each pass replays the micro-batch's random stream and modes from the region's entry; only one micro-batch's
-recomputation lives at a time. The last pass checks what the forward would have: each output against the
-forward's fingerprint (`RegionStateChanged` where state shared between micro-batches, or randomness outside
-torch's generators, made it differ), its graph for a batch norm the step did not make, and for a tensor with a
-graph made outside the region (a closure's), whose gradient would go where the step's backward goes too.
+recomputation lives at a time. The last pass checks that the recomputation is the forward again (`region_checks`):
+its outputs, its graph.
 """
 from __future__ import annotations
 
@@ -33,38 +31,15 @@ from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
 from ..bn.replay import CallReplay
 from ..intercept.calls import BNCall, INCall, NormCalls, StopPass
 from ..memory.heap import release_free_memory
-from ..safety.graphs import BATCH_NORM_NODES
 from ..safety.threadstate import Modes, autocast_cache_off
-from .frames import RegionStateChanged
+from .region_checks import check_outputs, fingerprint, graph_leaves, next_sequence_nr
 from .regions import region_modules
 
-__all__ = ["RegionNode", "RegionPasses", "fingerprint"]
-
-_next_sequence_nr = torch._C._autograd._get_sequence_nr
+__all__ = ["RegionNode", "RegionPasses"]
 
 # The passes of a region's recomputation (`RegionPasses._recompute`): a call's backward sums, the last pass, a
 # call's correction, and its outputs again without grad.
 _SUMS, _LAST, _CORRECT, _AGAIN = "sums", "last", "correct", "again"
-
-
-def fingerprint(outputs: list[Tensor]) -> Tensor:
-    """Two numbers per output, the sum of its values and of their magnitudes, in float64 (a row each): what the last
-    pass's recomputation must give again."""
-    with torch.no_grad():
-        if not outputs:
-            return torch.zeros(0, 2, dtype=torch.float64)
-        return torch.stack([torch.stack([o.sum(dtype=torch.float64), o.abs().sum(dtype=torch.float64)])
-                            for o in outputs])
-
-
-def _same(again: Tensor, forward: Tensor, outputs: list[Tensor]) -> bool:
-    """Whether a recomputation's fingerprints are the forward's, to its outputs' dtypes' rounding."""
-    return again.shape == forward.shape and all(
-        bool(torch.allclose(a, b, rtol=_tolerance(o.dtype), atol=0.0)) for a, b, o in zip(again, forward, outputs))
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    return 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 1e-2
 
 
 class RegionNode(torch.autograd.Function):
@@ -170,15 +145,18 @@ class RegionPasses:
             sums[t].finish(self.step.collectives.sum_)
         totals: list[list[Tensor | None]] = []
         for k, (entry, given, dy) in enumerate(zip(entries, values, dys)):
-            start = _next_sequence_nr()
+            start = next_sequence_nr()
             outputs, inputs, _ = self._recompute(entry, given, sums, _LAST, None)
-            self._check_outputs(k, outputs)
+            check_outputs(outputs, self.samples[k], (
+                "the segments schedule runs a region's forward again in the backward, but micro-batch "
+                f"{k}'s recomputation gave other outputs than its forward (state shared between micro-batches, or "
+                "randomness outside torch's generators): it would not be exact"))
             totals.append(self._back_propagate(outputs, dy, inputs, start))
         for t in reversed(range(split)):
             sums[t].finish(self.step.collectives.sum_)
             call = self.calls[t]
             for entry, given, total in zip(entries, values, totals):
-                start = _next_sequence_nr()
+                start = next_sequence_nr()
                 _, inputs, x = self._recompute(entry, given, sums, _CORRECT, t)
                 if x is not None and x.requires_grad:
                     mean, inv = call.stats.mean, invstd(call.stats.var, call.eps)
@@ -195,7 +173,7 @@ class RegionPasses:
         parameters and any other leaf it reaches (which joins the step's transaction); `start`: the sequence number
         before the recomputation."""
         wanted = [x for x in inputs if x.requires_grad]
-        others = self._leaves(roots, start, {id(x) for x in inputs})
+        others = graph_leaves(roots, start, {id(x) for x in inputs}, self.step.graphs.seen)
         self.step.join(others)
         if roots and (wanted or others):
             torch.autograd.backward(roots, grads, inputs=wanted + others)
@@ -212,11 +190,10 @@ class RegionPasses:
         entry = self.entries[k]
         with torch.no_grad():
             outputs, _, _ = self._recompute(entry, self._arguments(entry, k), None, _AGAIN, None)
-        if not _same(fingerprint([outputs[j]]), self.samples[k, j:j + 1], outputs[j:j + 1]):
-            raise RegionStateChanged(
-                f"the segments schedule recomputes a region's output for the region after it, but micro-batch {k}'s "
-                "recomputation gave another output than its forward (state shared between micro-batches, or "
-                "randomness outside torch's generators): it would not be exact")
+        check_outputs(outputs[j:j + 1], self.samples[k, j:j + 1], (
+            f"the segments schedule recomputes a region's output for the region after it, but micro-batch {k}'s "
+            "recomputation gave another output than its forward (state shared between micro-batches, or randomness "
+            "outside torch's generators): it would not be exact"))
         return outputs[j]
 
     def _recompute(self, entry: Any, given: list[Tensor], sums: list[GradSums] | None, mode: str,
@@ -276,43 +253,3 @@ class RegionPasses:
                 watch.seen[m] = seen
                 if m in watch.versions:
                     watch.versions[m] = counter._version
-
-    def _check_outputs(self, k: int, outputs: list[Tensor]) -> None:
-        """The last pass's outputs must be the forward's (module doc)."""
-        if _same(fingerprint(outputs), self.samples[k], outputs):
-            return
-        raise RegionStateChanged(
-            f"the segments schedule runs a region's forward again in the backward, but micro-batch {k}'s "
-            "recomputation gave other outputs than its forward (state shared between micro-batches, or randomness "
-            "outside torch's generators): it would not be exact")
-
-    def _leaves(self, outputs: list[Tensor], start: int, own: set[int]) -> list[Tensor]:
-        """The leaves the last pass's graph reaches, other than the region's arguments: refused where the graph
-        leaves the recomputation by a tensor made outside it, or holds a batch norm the step did not make."""
-        found, seen = [], set()
-        stack = [o.grad_fn for o in outputs if o.grad_fn is not None]
-        end = _next_sequence_nr()
-        while stack:
-            node = stack.pop()
-            leaf = getattr(node, "variable", None)
-            if leaf is not None:
-                if id(leaf) not in own:
-                    found.append(leaf)
-                continue
-            if not start <= node._sequence_nr() < end:
-                raise RegionStateChanged(
-                    "the segments schedule recomputes each region alone in the backward, but a region's forward used "
-                    "a tensor with a graph made outside it (kept in a closure or an attribute, not passed as an "
-                    "argument): its gradient would reach that graph twice")
-            if type(node).__name__ in BATCH_NORM_NODES and getattr(node, "_saved_training", True) and \
-                    node not in self.step.graphs.seen:
-                raise ValueError(
-                    f"bn='exact' found in a region's graph a batch norm with batch statistics that it did not see "
-                    f"({type(node).__name__}): a call below F.batch_norm (torch.native_batch_norm, an aten op), in "
-                    "TorchScript or in C++ normalized with one micro-batch's statistics. Nothing was changed. Call "
-                    "F.batch_norm or a BatchNorm layer from Python, or pass bn='micro'")
-            for nxt, _ in node.next_functions:
-                if nxt is not None and nxt not in seen:
-                    seen.add(nxt)
-                    stack.append(nxt)
-        return found
