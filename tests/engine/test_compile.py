@@ -542,12 +542,29 @@ def test_a_higher_order_op_without_a_norm_in_its_body_trains_like_whole_batch_ea
 
 
 def speculates() -> tuple:
-    """Dynamo's functions that trace a higher-order op's body."""
+    """Dynamo's functions that trace a higher-order op's body (torch 2.8 has the first only)."""
     hops = dynamo.variables.higher_order_ops
-    return hops.speculate_subgraph, hops.speculate_subgraph_with_auto_output_flattening
+    names = ("speculate_subgraph", "speculate_subgraph_with_auto_output_flattening")
+    return tuple(getattr(hops, name) for name in names if hasattr(hops, name))
 
 
 SPECULATES = speculates()
+
+
+def test_steps_run_where_dynamo_has_only_its_first_function_for_a_higher_order_ops_body(monkeypatch):
+    # torch 2.8's dynamo has no speculate_subgraph_with_auto_output_flattening: the step's swap of dynamo's
+    # functions raised AttributeError, so every step failed (tools/min_torch_check.sh, 636 of 700 tests).
+    monkeypatch.delattr(dynamo.variables.higher_order_ops, "speculate_subgraph_with_auto_output_flattening")
+    torch.manual_seed(0)
+    net = Net().double()
+    oracle = copy.deepcopy(net)
+    data = batches()
+    train_eager_whole_batch(oracle, data)
+    train_accumnorm(torch.compile(net, backend="aot_eager"), net.parameters(), data, ce)
+    assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
+    hops = dynamo.variables.higher_order_ops
+    assert hops.speculate_subgraph is SPECULATES[0]  # dynamo's own again
+    assert not hasattr(hops, "speculate_subgraph_with_auto_output_flattening")
 
 
 @pytest.mark.parametrize("model", [CheckpointedNorm, RegionNorm])

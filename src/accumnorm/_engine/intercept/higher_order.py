@@ -17,8 +17,8 @@ The other higher-order ops (torch.cond, while_loop, map, scan, ...) cannot be tr
 predicate may be data, and no graph break can happen inside their bodies, which dynamo traces without the step's mode
 in a compiled model and in an eager one alike (they compile their bodies to run them). A batch-statistics call there
 cannot meet the other micro-batches, and is refused before the step ends. For a step's length
-(`higher_order_ops_in_step`) dynamo's two functions that trace such a body into a graph of its own
-(`speculate_subgraph`, `speculate_subgraph_with_auto_output_flattening`) scan the graph for the calls the mode would
+(`higher_order_ops_in_step`) dynamo's functions that trace such a body into a graph of its own (`speculate_subgraph`,
+and `speculate_subgraph_with_auto_output_flattening` where torch has it) scan the graph for the calls the mode would
 hand to the schedule (`calls.batch_statistics_call`); a BatchNorm layer's untraced forward fails there first. Either
 way dynamo is told that it cannot trace the body: an op that may fall back to eager does (a custom autograd.Function,
 whose forward the mode then sees and refuses as in eager), the others fail with dynamo's error around this one, which
@@ -124,17 +124,26 @@ def refused_in(error: BaseException) -> ValueError | None:
     return refused
 
 
+# Dynamo's functions that trace a higher-order op's body; torch 2.8 has the first only.
+_SPECULATE_NAMES = ("speculate_subgraph", "speculate_subgraph_with_auto_output_flattening")
+
+
+def _speculate_names() -> list[str]:
+    hops = torch._dynamo.variables.higher_order_ops
+    return [name for name in _SPECULATE_NAMES if hasattr(hops, name)]
+
+
 def _torchs_speculates() -> tuple[Callable[..., Any], ...]:
-    """Dynamo's two functions that trace a higher-order op's body, now; torch's, where a loop that kept the step's
+    """Dynamo's functions that trace a higher-order op's body, now; torch's, where a loop that kept the step's
     during a step put them back since."""
     hops = torch._dynamo.variables.higher_order_ops
-    return tuple(getattr(f, "torchs", f) for f in (hops.speculate_subgraph,
-                                                   hops.speculate_subgraph_with_auto_output_flattening))
+    return tuple(getattr(f, "torchs", f) for f in (getattr(hops, name) for name in _speculate_names()))
 
 
-def _set_speculates(pair: tuple[Callable[..., Any], ...]) -> None:
+def _set_speculates(functions: tuple[Callable[..., Any], ...]) -> None:
     hops = torch._dynamo.variables.higher_order_ops
-    hops.speculate_subgraph, hops.speculate_subgraph_with_auto_output_flattening = pair
+    for name, function in zip(_speculate_names(), functions, strict=True):
+        setattr(hops, name, function)
 
 
 _SPECULATES = WhileStepsRun(_torchs_speculates, _set_speculates, lambda torchs: tuple(map(_scanned, torchs)))
