@@ -394,18 +394,18 @@ def test_the_sigint_program_interrupts_when_started_with_sigint_ignored():
 @pytest.mark.slow
 def test_real_sigints_at_random_moments_lose_nothing():
     """tests/programs/sigint_steps.py: SIGINTs at random moments of steps per path (layerwise, recompute, passes,
-    plain, a whole-batch loss under layerwise and one micro-batch at a time, and a compiled model under layerwise),
-    until 10 of them have landed inside a step, on a model with dropout, a checkpointed region and InstanceNorm
-    statistics: each time the model is as it was or as the whole step leaves it, a KeyboardInterrupt from the step
-    comes with the model as it was (none late, after the step's changes), the thread's torch state is untouched,
-    and no coroutine is left. The program keeps interrupting until it has its 10, so a slow machine cannot fail
-    it."""
+    segments at two settings, plain, a whole-batch loss under layerwise and one micro-batch at a time, and a
+    compiled model under layerwise), until 10 of them have landed inside a step, on a model with dropout, a
+    checkpointed region (a chain of regions for segments) and InstanceNorm statistics: each time the model is as it
+    was or as the whole step leaves it, a KeyboardInterrupt from the step comes with the model as it was (none late,
+    after the step's changes), the thread's torch state is untouched, and no coroutine is left. The program keeps
+    interrupting until it has its 10, so a slow machine cannot fail it."""
     program = Path(__file__).parents[1] / "programs" / "sigint_steps.py"
     proc = subprocess.run([sys.executable, str(program), "--mid-step", "10"], env=cpu_env(), capture_output=True,
                           text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for path in ("layerwise", "recompute", "passes", "micro", "whole-layerwise", "whole-gradcache",
-                 "compiled-layerwise"):
+    for path in ("layerwise", "recompute", "passes", "segments", "segments-2", "micro", "whole-layerwise",
+                 "whole-gradcache", "compiled-layerwise"):
         line = next(line for line in proc.stdout.splitlines() if line.startswith(path + ":"))
         rolled_back = int(line.split("(")[1].split()[0])
         # the signals did land inside steps

@@ -30,6 +30,9 @@ import accumnorm
 
 PATHS = {"layerwise": dict(schedule="layerwise"), "recompute": dict(schedule="recompute"),
          "passes": dict(schedule="passes"), "micro": dict(bn="micro"),
+         # The segments schedule at two settings: every region's arguments kept, or every other one's recomputed
+         # (segments runs no BatchNorm inside a checkpoint of the user's: `Chain`, not `Net`)
+         "segments": dict(schedule="segments", keep_every=1), "segments-2": dict(schedule="segments", keep_every=2),
          # A loss over the whole batch: the micro-batches meet at the loss too; and, on a model without norm
          # statistics, "auto"'s one micro-batch at a time (GradCache's scheme).
          "whole-layerwise": dict(schedule="layerwise", whole=True),
@@ -51,6 +54,21 @@ class Net(nn.Module):
     def forward(self, x):
         x = self.stem(x)
         return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+class Chain(nn.Module):
+    """`Net`'s layers without the user's checkpoint, with one block more: a chain of regions for segments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh(), nn.Dropout(0.2))
+        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh(),
+                                   nn.InstanceNorm2d(8, track_running_stats=True))
+        self.block2 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh())
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 8 * 8, 10), nn.BatchNorm1d(10))
+
+    def forward(self, x):
+        return self.head(self.block2(self.block(self.stem(x))))
 
 
 class Plain(nn.Module):
@@ -112,8 +130,8 @@ def run_path(name: str, kwargs: dict, mid_step: int, min_tries: int, max_tries: 
     torch.manual_seed(0)
     kwargs = dict(kwargs)
     whole, compiled = kwargs.pop("whole", False), kwargs.pop("compiled", False)
-    model, batch = (Plain() if name == "whole-gradcache" else Net()), (torch.randn(12, 1, 8, 8),
-                                                                         torch.randint(0, 10, (12,)))
+    model = {"whole-gradcache": Plain, "segments": Chain, "segments-2": Chain}.get(name, Net)()
+    batch = torch.randn(12, 1, 8, 8), torch.randint(0, 10, (12,))
     compiled_copies: dict[int, nn.Module] = {}  # each model's compiled module, made at its first step
 
     def step(model: nn.Module) -> None:
