@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import queue
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import checkpoint, noop_context_fn, set_checkpoint_early_stop
 
 import accumnorm
 from helpers import EXACT_SCHEDULES, assert_unchanged, ce_loss, compare, cpu_env, rel_err, snapshot, whole_batch
@@ -304,6 +305,60 @@ class _Checkpointed(nn.Module):
 
     def forward(self, x):
         return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def _checkpoint_left_open(function, *args):
+    """torch 2.8's `checkpoint(use_reentrant=False)`, line for line: when `function` raises, its generator stays
+    open, its saved-tensor hooks on the thread's stack, until the error is collected (newer torch closes it at
+    once). Built from torch's own generator, whose settings differ between versions."""
+    make = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+    early_stop = (True,) if "early_stop" in inspect.signature(make).parameters else ()
+    generator = make(function, True, noop_context_fn, "default", False, *early_stop, *args)
+    next(generator)
+    out = function(*args)
+    try:
+        next(generator)
+    except StopIteration:
+        return out
+
+
+class _FailsInRegion(nn.Module):
+    """A checkpointed region with a BatchNorm that raises in the last micro-batch of 7 samples in threes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.head = nn.Linear(8, 10)
+
+    def region(self, x):
+        y = self.block(x)
+        if x.shape[0] == 1:
+            raise RuntimeError("failure in the last micro-batch's region")
+        return y
+
+    def forward(self, x):
+        return self.head(_checkpoint_left_open(self.region, x))
+
+
+@pytest.mark.filterwarnings("ignore:accumnorm.backward. the segments schedule recomputes")
+def test_an_error_inside_a_checkpointed_region_leaves_the_callers_saved_tensor_hooks_in_place(schedule):
+    # On torch 2.8 the region's hooks were popped when the error was collected, after the step had put the caller's
+    # hooks back: the pop took the caller's own, and the caller's `with` block then failed on an empty stack (an
+    # INTERNAL ASSERT of SavedTensorHooks.cpp).
+    model = _FailsInRegion().double()
+    x, y = data((6,), 7, torch.float64)
+
+    def pack(t):
+        return t
+
+    def unpack(t):
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with pytest.raises(RuntimeError, match="failure in the last micro-batch's region"):
+            accumnorm.backward(model, (x, y), ce_loss, micro_batch_size=3, schedule=schedule)
+        gc.collect()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) == (pack, unpack)
 
 
 def _live_tensors() -> int:

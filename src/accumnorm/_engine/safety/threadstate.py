@@ -13,18 +13,20 @@ refuses rather than run on in a state it cannot restore.
 """
 from __future__ import annotations
 
+import gc
 from asyncio.events import _get_running_loop as _running_loop
 from asyncio.events import _set_running_loop
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
+from types import GeneratorType
 from typing import Any, NamedTuple
 
 import torch
 
 from .flags import GETTERS, set_flags
 
-__all__ = ["ThreadState", "Modes", "autocast_cache_off"]
+__all__ = ["ThreadState", "Modes", "autocast_cache_off", "close_checkpoints_left_open"]
 
 _C = torch._C
 _get_eval_frame = _C._dynamo.eval_frame.get_eval_frame_callback
@@ -204,6 +206,37 @@ def autocast_cache_off() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(before)
+
+
+def close_checkpoints_left_open(error: BaseException) -> None:
+    """Close each torch checkpoint that `error`, raised inside its function, left open in the frames it went through.
+
+    torch's `checkpoint(use_reentrant=False)` pushes its saved-tensor hooks in a generator that it resumes only once
+    the function returns; torch 2.8 leaves it suspended when the function raises, its hooks on the thread's stack,
+    and they are popped only when the error is collected: after the step has put the caller's state back, so the
+    pop takes one of the caller's hooks (or fails, on an empty stack). Closed here, while the thread is still in the
+    failed forward's state, each pops its own, as newer torch does at once.
+    """
+    left_open, tb = [], error.__traceback__
+    while tb is not None:
+        # the frame's references, not its f_locals: a dict of those, cached on a running frame, would hold `error`
+        left_open += [value for value in gc.get_referents(tb.tb_frame) if _open_checkpoint(value)]
+        tb = tb.tb_next
+    for generator in reversed(left_open):  # the innermost first, its hooks on top
+        try:
+            generator.close()
+        except Exception:  # noqa: S110 - the step's error is the one raised
+            pass
+
+
+# torch's generator of a non-reentrant checkpoint's forward, by version (2.8, and newer)
+_CHECKPOINT_GENERATORS = ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
+
+
+def _open_checkpoint(value: object) -> bool:
+    return (isinstance(value, GeneratorType) and value.gi_frame is not None
+            and value.gi_code.co_name in _CHECKPOINT_GENERATORS
+            and value.gi_frame.f_globals.get("__name__") == "torch.utils.checkpoint")
 
 
 def saved_tensor_hooks() -> tuple[tuple[Any, Any], ...]:

@@ -23,6 +23,7 @@ from ..intercept.calls import BNCall, INCall, NormCalls, Watch, describe, descri
 from ..safety.graphs import Graphs
 from ..safety.interrupts import SigintDeferred
 from ..safety.rng import StepRng
+from ..safety.threadstate import close_checkpoints_left_open
 from ..safety.transaction import Transaction
 from ..safety.tree import Names
 from .ledger import Ledger
@@ -83,7 +84,11 @@ class Step:
 
     def forward(self, k: int) -> Any:
         """Micro-batch k's forward: its loss (checked), or its outputs for a whole-batch loss."""
-        return self.objective.forward(self.model, self.micro_batches[k], k)
+        try:
+            return self.objective.forward(self.model, self.micro_batches[k], k)
+        except BaseException as e:
+            close_checkpoints_left_open(e)
+            raise
 
     def inner_backward_refusal(self, call: BNCall, index: int, running: Callable[[], int | None],
                                alone: bool = False) -> Callable[[Any], None]:
