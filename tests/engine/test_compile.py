@@ -507,8 +507,9 @@ def test_a_norm_in_a_higher_order_ops_body_is_refused_before_anything_changes(op
         p.grad = torch.ones_like(p)
     before = snapshot(net)
     model = torch.compile(net, backend="aot_eager") if compiled_model else net
-    with pytest.raises(ValueError, match=r"batch_norm call with batch statistics inside the body of .*Nothing was "
-                                         r"changed.*outside the body.*bn='micro'") as raised:
+    # torch 2.8's dynamo stops at the BatchNorm layer's forward, newer torch's traces it to the batch_norm call
+    with pytest.raises(ValueError, match=r"(batch_norm call|BatchNorm layer's call) with batch statistics inside the "
+                                         r"body of .*Nothing was changed.*outside the body.*bn='micro'") as raised:
         accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO, schedule=schedule)
     assert any("micro-batch 0" in note for note in raised.value.__notes__)
     assert_unchanged(net, before)
@@ -521,7 +522,9 @@ def test_a_batch_norm_layer_in_a_torch_cond_branch_is_refused_naming_the_layer()
     torch.manual_seed(0)
     net = BodyNorm("cond", "without running statistics").double()
     before = snapshot(net)
-    with pytest.raises(ValueError, match="BatchNorm layer's call with batch statistics inside the body of torch.cond"):
+    # torch 2.8's dynamo names the op "cond", newer torch's "torch.cond"
+    with pytest.raises(ValueError, match=r"BatchNorm layer's call with batch statistics inside the body of "
+                                         r"(torch.)?cond"):
         accumnorm.backward(torch.compile(net, backend="aot_eager"), batches()[0], ce, micro_batch_size=MICRO)
     assert_unchanged(net, before)
     assert all(p.grad is None for p in net.parameters())
@@ -554,7 +557,8 @@ SPECULATES = speculates()
 def test_steps_run_where_dynamo_has_only_its_first_function_for_a_higher_order_ops_body(monkeypatch):
     # torch 2.8's dynamo has no speculate_subgraph_with_auto_output_flattening: the step's swap of dynamo's
     # functions raised AttributeError, so every step failed (tools/min_torch_check.sh, 636 of 700 tests).
-    monkeypatch.delattr(dynamo.variables.higher_order_ops, "speculate_subgraph_with_auto_output_flattening")
+    monkeypatch.delattr(dynamo.variables.higher_order_ops, "speculate_subgraph_with_auto_output_flattening",
+                        raising=False)
     torch.manual_seed(0)
     net = Net().double()
     oracle = copy.deepcopy(net)

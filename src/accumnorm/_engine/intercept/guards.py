@@ -55,7 +55,7 @@ def _refuse_compile_options(m: nn.Module, name: str) -> None:
     if context is None:
         return
     compiled = f"the torch.compile'd module {name}" if name else "the torch.compile'd model"
-    if getattr(context, "fullgraph", False):
+    if _fullgraph(context):
         raise ValueError(f"bn='exact' needs a graph break at each BatchNorm call of {compiled}, where the "
                          "micro-batches meet, but it was compiled with fullgraph=True, which makes a graph break an "
                          "error. Nothing was changed. Compile it with fullgraph=False (the default), or pass "
@@ -80,7 +80,15 @@ def _compile_context(m: nn.Module) -> object | None:
     if compiled is None:
         return None
     cells = getattr(compiled, "__closure__", None) or ()
-    return next((c.cell_contents for c in cells if hasattr(c.cell_contents, "fullgraph")), None)
+    contexts = (c.cell_contents for c in cells)
+    return next((c for c in contexts if isinstance(c, torch._dynamo.eval_frame._TorchDynamoContext)), None)
+
+
+def _fullgraph(context: object) -> bool:
+    """Whether a dynamo context compiles with fullgraph=True: its own setting, or in torch 2.8 its callback's."""
+    if hasattr(context, "fullgraph"):
+        return bool(context.fullgraph)
+    return bool(getattr(getattr(context, "callback", None), "_one_graph", False))
 
 
 def _backend(context: object) -> object:

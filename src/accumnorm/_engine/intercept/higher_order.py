@@ -98,11 +98,17 @@ def _scanned(speculate: Callable[..., Any]) -> Callable[..., Any]:
 def _refuse_body(description: str, what: str) -> None:
     """Tell dynamo it cannot trace the body: a higher-order op that may run uncompiled does (and the step's mode sees
     the call), the others fail with dynamo's error around this one (`refused_in`)."""
-    raise torch._dynamo.exc.Unsupported(
+    message = (
         f"bn='exact' found {what} with batch statistics inside the body of {description}, which dynamo traces as a "
         "graph of its own, even in an uncompiled model: the micro-batches cannot meet there, and the call would "
         "normalize each micro-batch alone. Nothing was changed. Call the norm outside the body (before or after "
-        f"{description}, or in a plain Python if/loop), or pass bn='micro'", gb_type=_REFUSED)
+        f"{description}, or in a plain Python if/loop), or pass bn='micro'")
+    try:
+        refusal = torch._dynamo.exc.Unsupported(message, gb_type=_REFUSED)
+    except TypeError:  # torch 2.8's takes no graph-break type: the refusal is marked by hand
+        refusal = torch._dynamo.exc.Unsupported(message)
+        refusal.gb_type = _REFUSED
+    raise refusal
 
 
 _REFUSED = "accumnorm: a batch-statistics norm in a higher-order op's body"
