@@ -16,4 +16,10 @@ python -m venv "$venv"
 "$venv/bin/python" -m pip install -q "torchvision==$vision" pytest hypothesis tqdm timm
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_accumulation.py \
     tests/engine/test_schedules.py tests/engine/test_layerwise.py tests/engine/test_side_effects.py \
-    tests/engine/test_checkpoint.py tests/engine/test_batch_loss.py tests/engine/test_functional.py
+    tests/engine/test_checkpoint.py tests/engine/test_batch_loss.py tests/engine/test_functional.py \
+    tests/engine/test_process_state.py tests/engine/test_segments.py tests/engine/test_recompute.py \
+    tests/engine/test_failed_steps.py tests/engine/test_user_functions.py tests/engine/test_shared_state.py
+# Compiled models: the refusals. torch 2.8 itself cannot train through while_loop (no autograd), a compiled scan
+# or a nested_compile_region that updates a buffer, so the rest of test_compile.py is for newer torch.
+"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/engine/test_compile.py \
+    -k "fullgraph or higher_order_ops_body_is_refused or cond_branch or dynamo_has_only"
