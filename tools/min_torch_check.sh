@@ -20,6 +20,7 @@ python -m venv "$venv"
     tests/engine/test_process_state.py tests/engine/test_segments.py tests/engine/test_recompute.py \
     tests/engine/test_failed_steps.py tests/engine/test_user_functions.py tests/engine/test_shared_state.py
 # Compiled models: the refusals. torch 2.8 itself cannot train through while_loop (no autograd), a compiled scan
-# or a nested_compile_region that updates a buffer, so the rest of test_compile.py is for newer torch.
+# recompiled for a shorter batch, or a nested_compile_region that updates a buffer: the rest of test_compile.py
+# is for newer torch.
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/engine/test_compile.py \
     -k "fullgraph or higher_order_ops_body_is_refused or cond_branch or dynamo_has_only"
