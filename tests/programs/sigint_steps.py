@@ -56,16 +56,12 @@ class Net(nn.Module):
         return self.head(checkpoint(self.block, x, use_reentrant=False))
 
 
-class Chain(nn.Module):
+class Chain(Net):
     """`Net`'s layers without the user's checkpoint, with one block more: a chain of regions for segments."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh(), nn.Dropout(0.2))
-        self.block = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh(),
-                                   nn.InstanceNorm2d(8, track_running_stats=True))
         self.block2 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Tanh())
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 8 * 8, 10), nn.BatchNorm1d(10))
 
     def forward(self, x):
         return self.head(self.block2(self.block(self.stem(x))))
