@@ -322,6 +322,14 @@ def _checkpoint_left_open(function, *args):
         return out
 
 
+def _pack(t):
+    return t
+
+
+def _unpack(t):
+    return t
+
+
 class _FailsInRegion(nn.Module):
     """A checkpointed region with a BatchNorm that raises in the last micro-batch of 7 samples in threes."""
 
@@ -348,17 +356,52 @@ def test_an_error_inside_a_checkpointed_region_leaves_the_callers_saved_tensor_h
     model = _FailsInRegion().double()
     x, y = data((6,), 7, torch.float64)
 
-    def pack(t):
-        return t
-
-    def unpack(t):
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
         with pytest.raises(RuntimeError, match="failure in the last micro-batch's region"):
             accumnorm.backward(model, (x, y), ce_loss, micro_batch_size=3, schedule=schedule)
         gc.collect()
-        assert torch._C._autograd._top_saved_tensors_default_hooks(False) == (pack, unpack)
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) == (_pack, _unpack)
+
+
+class _RecomputedBlock(nn.Module):
+    """A BatchNorm call, then a checkpointed function without one, which raises once `armed[0]` (set by the loss, so
+    in the segments schedule's recomputation of the block in the step's backward)."""
+
+    def __init__(self, armed: list[bool]) -> None:
+        super().__init__()
+        self.armed = armed
+        self.norm = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+        self.mid = nn.Linear(8, 8)
+
+    def region(self, x):
+        if self.armed[0]:
+            raise RuntimeError("failure in the region's recomputation")
+        return torch.tanh(self.mid(x))
+
+    def forward(self, x):
+        return x + _checkpoint_left_open(self.region, self.norm(x))
+
+
+@pytest.mark.parametrize("keep_every", [1, 2])
+def test_an_error_inside_a_checkpoint_recomputed_by_segments_leaves_the_callers_saved_tensor_hooks_in_place(
+        keep_every):
+    # The segments schedule runs a region's forward again in the step's backward, outside the micro-batch's forward:
+    # a checkpoint left open there by an error took the caller's hooks on torch 2.8, as above.
+    armed = [False]
+    model = nn.Sequential(nn.Linear(6, 8), *[_RecomputedBlock(armed) for _ in range(6)], nn.Linear(8, 10)).double()
+    x, y = data((6,), 6, torch.float64)
+
+    def loss_fn(m, batch):
+        loss = ce_loss(m, batch)
+        armed[0] = torch.equal(batch[0], x[4:])  # after the last micro-batch's forward
+        return loss
+
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        with pytest.raises(RuntimeError, match="failure in the region's recomputation"):
+            accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule="segments",
+                               keep_every=keep_every)
+        gc.collect()
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) == (_pack, _unpack)
 
 
 def _live_tensors() -> int:

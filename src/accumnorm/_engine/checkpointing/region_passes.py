@@ -31,7 +31,7 @@ from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
 from ..bn.replay import CallReplay
 from ..intercept.calls import BNCall, INCall, NormCalls, StopPass
 from ..memory.heap import release_free_memory
-from ..safety.threadstate import Modes, autocast_cache_off
+from ..safety.threadstate import Modes, autocast_cache_off, close_checkpoints_left_open
 from .region_checks import check_outputs, fingerprint, graph_leaves, next_sequence_nr
 from .regions import region_modules
 
@@ -230,6 +230,9 @@ class RegionPasses:
                 out = entry.forward(*args, **kwargs)
         except StopPass:
             return [], inputs, cut[0]
+        except BaseException as e:
+            close_checkpoints_left_open(e)
+            raise
         finally:
             for g, state in zip(generators, before):
                 g.set_state(state)
