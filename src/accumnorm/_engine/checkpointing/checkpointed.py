@@ -44,11 +44,16 @@ _STEP_STATE = ("running_mean", "running_var", "num_batches_tracked")  # a BatchN
 Own = Callable[[Any, "Region"], None]  # told of each region call's checkpoint frame in the forward
 
 
-def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
+def _parameter_shapes(region: Region) -> Counter[tuple[int, ...]]:
+    """The shapes of a region's parameters, each as many times as it has parameters of that shape."""
+    return Counter(tuple(p.shape) for m in region_modules(region) for p in m.parameters())
+
+
+def _saved_bytes(frame: Any, parameter_shapes: Counter[tuple[int, ...]], rows: int) -> float:
     """The bytes per sample a region's forward saved (its frame's metadata of each saved tensor), its modules'
-    parameters left out: one saved tensor of each parameter's shape, in whatever dtype it was saved (under autocast
-    a weight is saved as its reduced-precision copy)."""
-    params = Counter(tuple(p.shape) for m in region_modules(region) for p in m.parameters())
+    parameters left out: one saved tensor of each of `parameter_shapes`, in whatever dtype it was saved (under
+    autocast a weight is saved as its reduced-precision copy)."""
+    params = parameter_shapes.copy()
     saved = 0
     for meta in frame.x_metadatas:
         if not (isinstance(meta, dict) and "shape" in meta):
@@ -62,12 +67,12 @@ def _saved_bytes(frame: Any, region: Region, rows: int) -> float:
 
 
 def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *,
-                 own: Own) -> Any:
+                 own: Own, parameter_shapes: dict[Region, Counter[tuple[int, ...]]]) -> Any:
     """`forward(*args, **kwargs)` in a checkpointed region. The arguments go in as their tensors, which the region
     saves, and a structure built afresh around them: a list the caller appends to after the call (DenseNet's
     features) is recomputed as the forward saw it. A forward that changes its tensors or containers in place is
     refused. `own(frame, region)` learns of each forward's call: the region's checkpoint frame, in which
-    convolutions may keep their outputs."""
+    convolutions may keep their outputs. `parameter_shapes`: each region's (`_parameter_shapes`), read once a step."""
     hooks = saved_tensor_hooks()
     # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
     if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
@@ -93,7 +98,8 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
         frame = forward_regions(saved_tensor_hooks())[-1]
         own(frame, region)
         out = forward(*a, **kw)
-        record_saved(region, _saved_bytes(frame, region, inputs[0].shape[0] if inputs and inputs[0].dim() else 1))
+        rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 1
+        record_saved(region, _saved_bytes(frame, parameter_shapes[region], rows))
         return out
 
     out = checkpoint(run, *[leaves[i] for i in tensors], use_reentrant=False, preserve_rng_state=True)
@@ -196,7 +202,8 @@ def _call_in_turn(children: list[nn.Module], input: Any) -> Any:
 def checkpointed(regions: list[Region], own: Own) -> AbstractContextManager[None]:
     """The regions' forwards checkpointed until the block ends: a module region's own forward, and the forward of
     the `nn.Sequential` that holds a run. `own(frame, region)` learns of each checkpoint frame they make."""
-    return patched(regions, functools.partial(_region_call, own=own))
+    shapes = {r: _parameter_shapes(r) for r in regions}
+    return patched(regions, functools.partial(_region_call, own=own, parameter_shapes=shapes))
 
 
 @contextmanager
