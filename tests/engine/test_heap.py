@@ -1,12 +1,15 @@
 """The C heap's free memory handed back to the OS (`memory.heap`): what the call does, where it is made."""
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
 import torch
 
 from accumnorm._engine.memory import heap
+from helpers import exact_vs_whole_batch
+from models import data, resnet
 
 
 def _resident() -> int:
@@ -45,3 +48,96 @@ def test_glibc_is_found_where_it_is_the_c_library():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("the C library is not glibc")
     assert heap._TRIM is not None
+
+
+class _Resident:
+    """A process whose resident size grows by `step` bytes at each reading, and falls to `after_trim` at a trim."""
+
+    def __init__(self, step: int, after_trim: int) -> None:
+        self.size, self.step, self.after_trim, self.trims = 0, step, after_trim, 0
+
+    def read(self) -> int:
+        self.size += self.step
+        return self.size
+
+    def trim(self, pad: int) -> int:
+        self.trims += 1
+        self.size = self.after_trim
+        return 1
+
+
+def _bound(monkeypatch, process: _Resident, budget: int | None, device: str = "cpu") -> heap.ResidentBound:
+    monkeypatch.setattr(heap, "_TRIM", process.trim)
+    monkeypatch.setattr(heap, "_PAGE", 4096)
+    monkeypatch.setattr(heap.ResidentBound, "_resident", process.read)
+    return heap.ResidentBound(budget, torch.device(device))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
+def test_the_bound_trims_only_once_the_step_has_added_four_fifths_of_its_budget(monkeypatch):
+    process = _Resident(step=10, after_trim=0)
+    bound = _bound(monkeypatch, process, budget=100)
+    bound.start()  # reads 10: the level the step starts from
+    try:
+        for _ in range(8):  # 20, 30, ... 90: at most 80 above the start
+            bound.check()
+        assert process.trims == 0
+        bound.check()  # 100: 90 above
+        assert process.trims == 1
+    finally:
+        bound.close()
+    assert bound.fd is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
+def test_a_trim_that_leaves_the_step_near_its_budget_waits_for_half_the_room_left(monkeypatch):
+    # The live tensors near the budget: a trim at every check would fault the same pages in again and again.
+    process = _Resident(step=1, after_trim=190)
+    bound = _bound(monkeypatch, process, budget=200)
+    bound.start()  # 1
+    process.size = 170
+    bound.check()  # 171: 170 above the start, past 160; trimmed to 190, which reads 191
+    assert process.trims == 1 and bound.trigger == 190 + (200 - 190) // 2
+    for _ in range(5):  # 192 ... 196: 195 above the start at most, not past 195
+        bound.check()
+    assert process.trims == 1
+    bound.check()  # 197: 196 above
+    assert process.trims == 2
+    bound.close()
+
+
+@pytest.mark.parametrize(("budget", "device"), [(None, "cpu"), (100, "meta")])
+def test_without_a_budget_or_off_the_cpu_the_bound_reads_nothing(monkeypatch, budget, device):
+    process = _Resident(step=1000, after_trim=0)
+    bound = _bound(monkeypatch, process, budget=budget, device=device)
+    bound.start()
+    bound.check()
+    bound.close()
+    assert process.size == 0 and process.trims == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
+@pytest.mark.parametrize("budget", [1 << 30, None])
+def test_a_segments_step_with_a_budget_reads_its_resident_memory_at_its_turns_and_recomputations(monkeypatch, budget):
+    """Each reading here is past any budget, so each check trims: in the forward's turns and before the backward's
+    recomputations. The step stays exact. Without a budget nothing is read."""
+    reads = {"forward": 0, "backward": 0}
+
+    def resident(bound):
+        reads["backward" if torch._C._current_graph_task_id() != -1 else "forward"] += 1
+        return (reads["forward"] + reads["backward"]) << 40
+
+    trims = []
+    monkeypatch.setattr(heap.ResidentBound, "_resident", resident)
+    monkeypatch.setattr(heap, "_TRIM", lambda pad: trims.append(pad) or 1)
+    monkeypatch.setattr(heap, "_PAGE", 4096)
+    torch.manual_seed(0)
+    ref = resnet().double()
+    exact_vs_whole_batch(ref, copy.deepcopy(ref), data((1, 12, 12), 8, torch.float64), 2, 1e-9,
+                         schedule="segments", keep_every=1, memory_budget=budget)
+    if budget is None:
+        assert reads == {"forward": 0, "backward": 0}
+    else:
+        assert reads["forward"] > 1 and reads["backward"] > 0, reads
+        # every check trims: a reading before and one after each, and one at the start
+        assert len(trims) >= (sum(reads.values()) - 1) // 2

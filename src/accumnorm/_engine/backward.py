@@ -26,7 +26,7 @@ from .args import Batch, BNMode, Schedule, check_args, check_keep_every, check_s
 from .intercept.forwards import step_forwards
 from .intercept.higher_order import higher_order_ops_in_step, refused_in
 from .lazy_eps import warn_large_eps
-from .memory.budget import check_budget, check_budget_fits_passes, default_budget
+from .memory.budget import check_budget, check_budget_fits_passes, default_budget, model_device
 from .memory.store import resolve_store, store_for
 from .safety import untraced
 from .safety.interrupts import SigintDeferred
@@ -115,7 +115,8 @@ def backward(
             (autograd's saved tensors, the regions' arguments), what its backward's recomputation holds, and
             the gradients the step makes; gradients that exist before the step (``zero_grad(set_to_none=False)``)
             are not part of it. A positive int. The process's peak rises above it by the working memory of
-            the forward and the backward and what the allocator keeps of what it freed (docs/schedules.md).
+            the forward and the backward and what the allocator keeps of what it freed; on the CPU, segments
+            hands the heap's free pages back once the step has added four fifths of it (docs/schedules.md).
             Default: None, a tenth less than the free memory of the model's device (on the CPU, the available
             memory the kernel reports).
         keep_every: the segments schedule's setting (with schedule="segments" only). Where regions form a chain,
@@ -185,7 +186,7 @@ def backward(
     else:
         total = sum(sizes)
         if process_group is not None:  # every sample of the global batch weighs the same
-            total = int(collectives.sum_(torch.tensor(total, device=_device(model))).item())
+            total = int(collectives.sum_(torch.tensor(total, device=model_device(model))).item())
         objective = MicroBatchLoss(loss_fn, [n / total for n in sizes], grad_scaler)
     # Even one micro-batch goes through the exact schedule: inside a checkpointed region, torch's own BatchNorm
     # would update the running statistics a second time in the recomputation.
@@ -193,11 +194,11 @@ def backward(
     names = module_names(model)  # every module, once: what the refusals and the transaction walk over
     if exact:
         refuse_before_step(names, schedule)
-    store_hooks = store_for(store_device, _device(model))
-    budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(_device(model))
+    store_hooks = store_for(store_device, model_device(model))
+    budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(model_device(model))
     # Nothing but the return after it: the step's own ending (this thread's flag, the recursion limit) is inside it,
     # before the last moment a Ctrl-C can still undo the step.
-    return _transaction(StepCall(model, micro_batches, objective, collectives, exact), names,
+    return _transaction(StepCall(model, micro_batches, objective, collectives, exact, budget), names,
                         lambda new_step, start_over: run_step(new_step, schedule, store_hooks, start_over, sum(sizes),
                                                               budget, _settings(keep_every=keep_every)))
 
@@ -316,9 +317,3 @@ def _end(steps: list[Step], room: AbstractContextManager[None], caller: ThreadSt
             room.__exit__(None, None, None)
     finally:
         caller.apply(ThreadState.capture())
-
-
-def _device(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
-

@@ -34,7 +34,8 @@ from ..safety import untraced
 from .store import Store
 
 __all__ = ["Choice", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget", "figures",
-           "format_bytes", "gradient_bytes", "last_schedule", "record_choice", "schedule_label", "signature"]
+           "format_bytes", "gradient_bytes", "last_schedule", "model_device", "record_choice", "schedule_label",
+           "signature"]
 
 _MARGIN = 0.9  # of the free memory, the share a default budget takes
 
@@ -101,6 +102,12 @@ def check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, si
         raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs about {need} bytes "
                          f"(the step's gradients{', and one micro-batch' if per_sample is not None else ''}); "
                          "give a larger budget, or a smaller micro_batch_size")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model is: its first parameter's device (the CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
 
 
 def default_budget(device: torch.device) -> int | None:

@@ -8,6 +8,13 @@ well past its live tensors, and a budget on the CPU (where running out is the ke
 budget of resident memory. `malloc_trim(0)` hands every free page of glibc's heaps back to the OS; the memory a
 later request touches again costs a page fault.
 
+Beside those trims at fixed points, `ResidentBound` keeps a step's resident growth under its memory budget: the
+segments schedule's micro-batches, interleaved, free blocks of one size while others need blocks of another, so
+the pages glibc keeps can grow past the live tensors between two regions' ends. It reads the process's resident
+size at each micro-batch's turn and before each recomputation in the backward, and trims only once the step has
+added more than four fifths of its budget (the rest is room for what a turn adds before the next check): each trim
+hands pages back that the next requests fault in again, a cost paid only where the budget needs it.
+
 Why not torch's way: on CUDA the caching allocator frees its cached blocks and retries before it runs out, and
 the budget counts allocated bytes there (`torch.cuda.max_memory_allocated`), so nothing is done on CUDA. Where
 the C library is not glibc (macOS, musl, Windows), there is no such call, and nothing is done either.
@@ -15,12 +22,15 @@ the C library is not glibc (macOS, musl, Windows), there is no such call, and no
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["release_free_memory"]
+__all__ = ["ResidentBound", "release_free_memory"]
+
+_TRIGGER = 0.8  # of the budget, the step's resident growth past which `ResidentBound` trims
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -41,3 +51,53 @@ def release_free_memory(device: torch.device) -> None:
     device, or without glibc."""
     if device.type == "cpu" and _TRIM is not None:
         _TRIM(0)
+
+
+class ResidentBound:
+    """Trims the C heap (module doc) whenever the process's resident memory has grown by more than four fifths of
+    `budget` bytes since `start`: for a step on the CPU with glibc and Linux's /proc; nothing elsewhere, or without
+    a budget. After a trim that leaves the growth past that point (the live tensors near the budget), the next one
+    waits until half of what is left of the budget has come on top, so that trims do not follow every turn."""
+
+    def __init__(self, budget: int | None, device: torch.device) -> None:
+        self.budget = budget
+        self.active = budget is not None and device.type == "cpu" and _TRIM is not None and _PAGE is not None
+        self.fd: int | None = None
+        self.base = self.trigger = 0
+
+    def start(self) -> None:
+        """From the resident memory now, until `close`."""
+        if self.active and self.fd is None:
+            try:
+                self.fd = os.open("/proc/self/statm", os.O_RDONLY)
+            except OSError:
+                self.active = False
+                return
+            self.base = self._resident()
+            self.trigger = int(_TRIGGER * self.budget)
+
+    def check(self) -> None:
+        """Trim if the resident growth since `start` has passed the trigger."""
+        if self.fd is None or self._resident() - self.base <= self.trigger:
+            return
+        _TRIM(0)
+        grown = self._resident() - self.base
+        self.trigger = max(int(_TRIGGER * self.budget), grown + max(0, self.budget - grown) // 2)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def _resident(self) -> int:
+        return int(os.pread(self.fd, 64, 0).split()[1]) * _PAGE
+
+
+def _page_size() -> int | None:
+    """The page size, where /proc/self/statm gives the resident size in pages (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return os.sysconf("SC_PAGE_SIZE")
+
+
+_PAGE = _page_size()

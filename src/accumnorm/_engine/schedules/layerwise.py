@@ -177,6 +177,8 @@ class _Lockstep:
         finally:
             step.graphs.end()
             self.current = None
+        if self.segments is not None:  # what the turn freed, once the step nears its budget (`memory.heap`)
+            self.segments.bound.check()
         if not isinstance(end, BNCall):
             if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result
                 if hasattr(end, "add_note"):

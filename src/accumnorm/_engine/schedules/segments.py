@@ -20,7 +20,8 @@ from typing import Any
 from ..checkpointing.checkpointed import RegionStateChanged
 from ..checkpointing.regions import choose_regions
 from ..checkpointing.segmented import SegmentedRegions
-from ..memory.budget import Meter
+from ..memory.budget import Meter, model_device
+from ..memory.heap import ResidentBound
 from ..memory.store import Store
 from ..step.step import Step
 from .base import Schedule
@@ -61,7 +62,8 @@ class Segments(Schedule):
 
     def run(self, step: Step, store: Store | Meter | None) -> None:
         meter = store if isinstance(store, Meter) else None
-        regions = SegmentedRegions(step, choose_regions(step.model, weigh=False), self.keep_every, meter)
+        bound = ResidentBound(step.budget, model_device(step.model))
+        regions = SegmentedRegions(step, choose_regions(step.model, weigh=False), bound, self.keep_every, meter)
 
         def before_backward() -> None:
             problem = regions.changed()
@@ -72,7 +74,9 @@ class Segments(Schedule):
                 meter.reserve_bytes(regions.backward_bytes)
 
         with regions.patched():
+            bound.start()
             try:
                 lockstep(step, store, before_backward=before_backward, segments=regions)
             finally:
+                bound.close()
                 regions.close()

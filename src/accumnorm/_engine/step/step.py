@@ -36,13 +36,15 @@ __all__ = ["Step", "StepCall"]
 @dataclass(frozen=True, eq=False)
 class StepCall:
     """What one `accumnorm.backward` call asks for: the model, its micro-batches, what they minimize, over which
-    ranks, and whether BatchNorm is exact (`bn="exact"`) or each micro-batch's own."""
+    ranks, whether BatchNorm is exact (`bn="exact"`) or each micro-batch's own, and the bytes the step may add to
+    the process's memory (its memory budget; None: no bound)."""
 
     model: nn.Module
     micro_batches: list[Any]
     objective: MicroBatchLoss | BatchLoss
     collectives: Collectives
     exact: bool
+    budget: int | None = None
 
 
 class Step:
@@ -51,7 +53,7 @@ class Step:
 
     def __init__(self, call: StepCall, transaction: Transaction, rng: StepRng, interrupts: SigintDeferred) -> None:
         self.model, self.micro_batches, self.objective = call.model, call.micro_batches, call.objective
-        self.collectives, self.exact = call.collectives, call.exact
+        self.collectives, self.exact, self.budget = call.collectives, call.exact, call.budget
         self.rng, self.interrupts = rng, interrupts
         self.restore_buffers = transaction.restore_buffers  # undoes what a forward did to the buffers (run twice)
         # torch.autograd.backward, for every backward a schedule runs: the leaves it reaches outside the model join
