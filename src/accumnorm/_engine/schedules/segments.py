@@ -7,8 +7,9 @@ passes schedule's passes over the region alone (`checkpointing.region_passes`): 
 arguments of the whole batch (of one region in `keep_every` of a chain) and one micro-batch's recomputation of one
 region. It runs each region's forward about half as many times more as the region makes BatchNorm calls, plus two.
 "auto" runs it where recompute does not fit, at the first of `keep_every` 1, 2 and 4 that does, before passes.
-On the CPU it hands the C heap's free pages back to the OS at each region's exit and after each region's backward
-(`memory.heap`): what glibc keeps of the regions' freed blocks would otherwise be much of its resident peak.
+On the CPU it hands the C heap's free pages back to the OS at each region's exit and after each region's backward,
+and with a budget whenever the step's resident memory nears it (`memory.heap`): what glibc keeps of the regions'
+freed blocks would otherwise be much of its resident peak.
 
 A step whose forward changed a region's state is refused before its backward (`RegionStateChanged`), so that the
 step can start over under layerwise; so is one whose recomputation gives other outputs, in the backward.
@@ -74,8 +75,8 @@ class Segments(Schedule):
                 meter.reserve_bytes(regions.backward_bytes)
 
         with regions.patched():
-            bound.start()
             try:
+                bound.start()
                 lockstep(step, store, before_backward=before_backward, segments=regions)
             finally:
                 bound.close()
