@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import accumnorm
 from accumnorm._engine.memory import heap
 from helpers import exact_vs_whole_batch
 from models import data, resnet
@@ -141,3 +142,30 @@ def test_a_segments_step_with_a_budget_reads_its_resident_memory_at_its_turns_an
         assert reads["forward"] > 1 and reads["backward"] > 0, reads
         # every check trims: a reading before and one after each, and one at the start
         assert len(trims) >= (sum(reads.values()) - 1) // 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_failed_segments_step_leaves_no_file_of_its_bound_open(monkeypatch, where):
+    opened = []
+    start = heap.ResidentBound.start
+
+    def noting(bound):
+        start(bound)
+        opened.append(bound)
+
+    monkeypatch.setattr(heap.ResidentBound, "start", noting)
+    model = resnet().double()
+    x, y = data((1, 12, 12), 8, torch.float64)
+
+    def loss_fn(m, batch):
+        out = m(batch[0])
+        if where == "forward" and batch[0].shape[0] == 2 and torch.equal(batch[0], x[2:4]):
+            raise RuntimeError("failure in micro-batch 1")
+        if where == "backward":
+            out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("failure in the backward")))
+        return torch.nn.functional.cross_entropy(out, batch[1])
+
+    with pytest.raises(RuntimeError, match="failure in"):
+        accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule="segments", memory_budget=1 << 30)
+    assert opened and all(bound.fd is None for bound in opened)
