@@ -118,10 +118,12 @@ def test_without_a_budget_or_off_the_cpu_the_bound_reads_nothing(monkeypatch, bu
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
+@pytest.mark.parametrize("schedule", ["segments", "recompute", "layerwise"])
 @pytest.mark.parametrize("budget", [1 << 30, None])
-def test_a_segments_step_with_a_budget_reads_its_resident_memory_at_its_turns_and_recomputations(monkeypatch, budget):
-    """Each reading here is past any budget, so each check trims: in the forward's turns and before the backward's
-    recomputations. The step stays exact. Without a budget nothing is read."""
+def test_a_lockstep_step_with_a_budget_reads_its_resident_memory_at_its_turns_and_recomputations(
+        monkeypatch, schedule, budget):
+    """Each reading here is past any budget, so each check trims: at the forward's turns, and before the backward's
+    recomputations of the schedules that recompute. The step stays exact. Without a budget nothing is read."""
     reads = {"forward": 0, "backward": 0}
 
     def resident(bound):
@@ -135,13 +137,14 @@ def test_a_segments_step_with_a_budget_reads_its_resident_memory_at_its_turns_an
     torch.manual_seed(0)
     ref = resnet().double()
     exact_vs_whole_batch(ref, copy.deepcopy(ref), data((1, 12, 12), 8, torch.float64), 2, 1e-9,
-                         schedule="segments", keep_every=1, memory_budget=budget)
+                         schedule=schedule, memory_budget=budget)
     if budget is None:
         assert reads == {"forward": 0, "backward": 0}
-    else:
-        assert reads["forward"] > 1 and reads["backward"] > 0, reads
-        # every check trims: a reading before and one after each, and one at the start
-        assert len(trims) >= (sum(reads.values()) - 1) // 2
+        return
+    assert reads["forward"] > 1, reads
+    assert (reads["backward"] > 0) == (schedule != "layerwise"), reads
+    # every check trims: a reading before and one after each, and one at the start
+    assert len(trims) >= (sum(reads.values()) - 1) // 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")

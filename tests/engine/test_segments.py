@@ -92,8 +92,8 @@ def test_what_a_region_keeps_per_micro_batch_is_no_small_tensor_of_its_own(dropo
     nodes = []
     init = segmented.RegionPasses.__init__
 
-    def spy(self, step, entries, outputs, bound):
-        init(self, step, entries, outputs, bound)
+    def spy(self, step, entries, outputs):
+        init(self, step, entries, outputs)
         nodes.append((self.samples, [e.rng for e in entries]))
 
     monkeypatch.setattr(segmented.RegionPasses, "__init__", spy)

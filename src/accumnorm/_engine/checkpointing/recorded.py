@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..intercept.calls import BNCall, INCall, NormCalls, Watch
+from ..memory.heap import ResidentBound
 from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
 from .frames import forward_regions, in_recomputation
@@ -39,11 +40,12 @@ Replay = Callable[[Tensor], Tensor]  # a recorded call's output given again from
 class RecordedRegions:
     """The checkpointed regions of one step and the BatchNorm calls each made in its forward.
 
-    `watch`: what the step's modes share, for the mode each recomputation runs under.
+    `watch`: what the step's modes share, for the mode each recomputation runs under; `bound`: the step's resident
+    memory, checked before each recomputation (what the backward freed since the last).
     """
 
-    def __init__(self, watch: Watch) -> None:
-        self.watch = watch
+    def __init__(self, watch: Watch, bound: ResidentBound) -> None:
+        self.watch, self.bound = watch, bound
         # id(frame) -> (a weak reference to the frame, its calls in order, the frame's own recompute_fn). Weak: a
         # frame holds its region's inputs, which the backward frees region by region as it goes down, as torch's
         # checkpoint would.
@@ -101,6 +103,7 @@ class RecordedRegions:
         original, frame_ref = frame.recompute_fn, weakref.ref(frame)  # weak: the frame holds this function
 
         def recompute_fn(*args: Any) -> Any:
+            self.bound.check()
             pending = iter(recorded)
 
             def batch_norm(call: BNCall) -> Tensor:

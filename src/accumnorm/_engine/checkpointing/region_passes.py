@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
 from ..bn.replay import CallReplay
 from ..intercept.calls import BNCall, INCall, NormCalls, StopPass
-from ..memory.heap import ResidentBound, release_free_memory
+from ..memory.heap import release_free_memory
 from ..safety.threadstate import Modes, autocast_cache_off, close_checkpoints_left_open
 from .region_checks import check_outputs, fingerprint, graph_leaves, next_sequence_nr
 from .regions import region_modules
@@ -67,11 +67,10 @@ class RegionNode(torch.autograd.Function):
 
 class RegionPasses:
     """One region's call by the K micro-batches (`entries`, each a `segmented.Entry`) and its backward (module
-    doc). `step`: the step (`step.Step`); `outputs[k]`: micro-batch k's outputs, without their graph; `bound`: the
-    step's resident memory, checked before each recomputation (what the last one's backward freed)."""
+    doc). `step`: the step (`step.Step`); `outputs[k]`: micro-batch k's outputs, without their graph."""
 
-    def __init__(self, step: Any, entries: list[Any], outputs: list[list[Tensor]], bound: ResidentBound) -> None:
-        self.step, self.entries, self.outputs, self.bound = step, entries, outputs, bound
+    def __init__(self, step: Any, entries: list[Any], outputs: list[list[Tensor]]) -> None:
+        self.step, self.entries, self.outputs = step, entries, outputs
         # Every micro-batch's fingerprints of its outputs (`fingerprint`), in one tensor: a block per region node, not
         # a small one per micro-batch among the large ones of the heap until the backward.
         self.samples = torch.stack([fingerprint(o) for o in outputs])
@@ -202,7 +201,7 @@ class RegionPasses:
         """Micro-batch `entry`'s region again, from its tensor arguments `given`, in one of the passes (`mode`, at
         call `target`): its outputs that need a gradient (as in the forward; none in a correction pass, stopped at
         its call), its arguments (new leaves), and call `target`'s input (cut from below in a sums pass)."""
-        self.bound.check()
+        self.step.bound.check()  # what the last recomputation's backward freed (`memory.heap`)
         args, kwargs, inputs = entry.arguments(given)
         calls, index, cut = self.calls, [0], [None]
 

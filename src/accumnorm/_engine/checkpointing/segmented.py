@@ -28,7 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..bn.replay import CallReplay
 from ..memory.budget import Meter
-from ..memory.heap import ResidentBound, release_free_memory
+from ..memory.heap import release_free_memory
 from ..safety.threadstate import Modes, saved_tensor_hooks
 from .checkpointed import RegionState, patched
 from .frames import RegionStateChanged, in_recomputation, in_region, in_segment, keeping_nothing
@@ -81,11 +81,9 @@ class RegionExit:
 class SegmentedRegions:
     """The regions of one segments step (module doc)."""
 
-    def __init__(self, step: Any, regions: list[Region], bound: ResidentBound, keep_every: int = 1,
-                 meter: Meter | None = None) -> None:
-        # step: `step.Step`; bound: the step's resident memory, checked at each turn and recomputation;
-        # meter: "auto"'s, which counts the arguments the regions keep
-        self.step, self.regions, self.bound, self.keep_every, self.meter = step, regions, bound, keep_every, meter
+    def __init__(self, step: Any, regions: list[Region], keep_every: int = 1, meter: Meter | None = None) -> None:
+        # step: `step.Step`; meter: "auto"'s, which counts the arguments the regions keep
+        self.step, self.regions, self.keep_every, self.meter = step, regions, keep_every, meter
         self.backward_bytes = 0  # the most one region's backward holds beside what the step keeps (`meet`)
         self.open: list[Entry | None] = [None] * len(step.micro_batches)  # each micro-batch's region call, if any
         # Each micro-batch's outputs of the last region node it left, as (the node's passes, weak references to the
@@ -186,7 +184,7 @@ class SegmentedRegions:
                     "Nothing was changed. Make every micro-batch's forward make the same calls, or use "
                     "schedule='layerwise'")
         entries = [end.entry for end in ends]
-        passes = self.node = RegionPasses(self.step, entries, [end.outputs for end in ends], self.bound)
+        passes = self.node = RegionPasses(self.step, entries, [end.outputs for end in ends])
         outputs = passes.node(self._running)
         self.step.graphs.met_region(outputs, [[e.leaves[i] for i in e.tensors] for e in entries])
         dropped = self._keep_or_drop(passes, entries)

@@ -177,8 +177,7 @@ class _Lockstep:
         finally:
             step.graphs.end()
             self.current = None
-        if self.segments is not None:  # what the turn freed, once the step nears its budget (`memory.heap`)
-            self.segments.bound.check()
+        step.bound.check()  # what the turn freed, once the step nears its budget (`memory.heap`)
         if not isinstance(end, BNCall):
             if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result
                 if hasattr(end, "add_note"):
@@ -245,7 +244,11 @@ def lockstep(step: Step, store: Store | Meter | None, before_backward: Callable[
     """Exact BatchNorm with the micro-batches in lockstep (module doc); fills `step.losses` and the step's calls.
     `before_backward()` runs once the forwards are over, before the backward (a check that may raise); `segments`:
     the segments schedule's regions, whose exits are met points too."""
-    _Lockstep(step, store, before_backward, segments).run()
+    try:
+        step.bound.start()
+        _Lockstep(step, store, before_backward, segments).run()
+    finally:
+        step.bound.close()
 
 
 class Layerwise(Schedule):

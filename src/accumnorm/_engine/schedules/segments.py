@@ -8,8 +8,8 @@ arguments of the whole batch (of one region in `keep_every` of a chain) and one 
 region. It runs each region's forward about half as many times more as the region makes BatchNorm calls, plus two.
 "auto" runs it where recompute does not fit, at the first of `keep_every` 1, 2 and 4 that does, before passes.
 On the CPU it hands the C heap's free pages back to the OS at each region's exit and after each region's backward,
-and with a budget whenever the step's resident memory nears it (`memory.heap`): what glibc keeps of the regions'
-freed blocks would otherwise be much of its resident peak.
+and with a budget whenever the step's resident memory nears it (`memory.heap`, as every lockstep schedule): what
+glibc keeps of the regions' freed blocks would otherwise be much of its resident peak.
 
 A step whose forward changed a region's state is refused before its backward (`RegionStateChanged`), so that the
 step can start over under layerwise; so is one whose recomputation gives other outputs, in the backward.
@@ -21,8 +21,7 @@ from typing import Any
 from ..checkpointing.checkpointed import RegionStateChanged
 from ..checkpointing.regions import choose_regions
 from ..checkpointing.segmented import SegmentedRegions
-from ..memory.budget import Meter, model_device
-from ..memory.heap import ResidentBound
+from ..memory.budget import Meter
 from ..memory.store import Store
 from ..step.step import Step
 from .base import Schedule
@@ -63,8 +62,7 @@ class Segments(Schedule):
 
     def run(self, step: Step, store: Store | Meter | None) -> None:
         meter = store if isinstance(store, Meter) else None
-        bound = ResidentBound(step.budget, model_device(step.model))
-        regions = SegmentedRegions(step, choose_regions(step.model, weigh=False), bound, self.keep_every, meter)
+        regions = SegmentedRegions(step, choose_regions(step.model, weigh=False), self.keep_every, meter)
 
         def before_backward() -> None:
             problem = regions.changed()
@@ -76,8 +74,6 @@ class Segments(Schedule):
 
         with regions.patched():
             try:
-                bound.start()
                 lockstep(step, store, before_backward=before_backward, segments=regions)
             finally:
-                bound.close()
                 regions.close()

@@ -20,6 +20,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..._dist import Collectives
 from ..checkpointing.recorded import RecordedRegions
 from ..intercept.calls import BNCall, INCall, NormCalls, Watch, describe, describe_layer
+from ..memory.budget import model_device
+from ..memory.heap import ResidentBound
 from ..safety.graphs import Graphs
 from ..safety.interrupts import SigintDeferred
 from ..safety.rng import StepRng
@@ -53,7 +55,10 @@ class Step:
 
     def __init__(self, call: StepCall, transaction: Transaction, rng: StepRng, interrupts: SigintDeferred) -> None:
         self.model, self.micro_batches, self.objective = call.model, call.micro_batches, call.objective
-        self.collectives, self.exact, self.budget = call.collectives, call.exact, call.budget
+        self.collectives, self.exact = call.collectives, call.exact
+        # The process's resident memory under the step's budget, on the CPU (`memory.heap`): started by the
+        # lockstep, checked at each of its turns and before each region's recomputation in the backward.
+        self.bound = ResidentBound(call.budget, model_device(call.model))
         self.rng, self.interrupts = rng, interrupts
         self.restore_buffers = transaction.restore_buffers  # undoes what a forward did to the buffers (run twice)
         # torch.autograd.backward, for every backward a schedule runs: the leaves it reaches outside the model join
@@ -73,7 +78,7 @@ class Step:
         owners = {id(b): m for m in self.modules for b in m._buffers.values() if b is not None}
         self.watch = Watch(owners, Step.forward.__code__, self.ledger.seen, self.ledger.tracked_versions,
                            self.graphs)
-        self.regions = RecordedRegions(self.watch)
+        self.regions = RecordedRegions(self.watch, self.bound)
 
     def norm_calls(self, on_batch_norm: Callable[[BNCall], Tensor], on_instance_norm: Callable[[INCall], Tensor],
                    once: bool = False) -> NormCalls:
