@@ -115,8 +115,9 @@ def backward(
             (autograd's saved tensors, the regions' arguments), what its backward's recomputation holds, and
             the gradients the step makes; gradients that exist before the step (``zero_grad(set_to_none=False)``)
             are not part of it. A positive int. The process's peak rises above it by the working memory of
-            the forward and the backward and what the allocator keeps of what it freed; on the CPU, segments
-            hands the heap's free pages back once the step has added four fifths of it (docs/schedules.md).
+            the forward and the backward and what the allocator keeps of what it freed; on the CPU, the
+            lockstep schedules hand the heap's free pages back once the step has added four fifths of it
+            (docs/schedules.md).
             Default: None, a tenth less than the free memory of the model's device (on the CPU, the available
             memory the kernel reports).
         keep_every: the segments schedule's setting (with schedule="segments" only). Where regions form a chain,

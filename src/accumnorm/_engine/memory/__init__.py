@@ -2,7 +2,7 @@
 
 `budget`: `memory_budget=`, the `Meter` of saved tensors, the per-model figures and `last_schedule`; `store`:
 where the layerwise schedule keeps the whole batch's saved tensors (pinned host memory on CUDA); `heap`: the C
-heap's free memory handed back to the OS where a CPU step lets go of a region.
+heap's free memory handed back to the OS where a CPU step lets go of a region or nears its budget.
 
 Imports: torch and `accumnorm._dist`; no other layer of the engine.
 """

@@ -1,4 +1,5 @@
-"""Handing the C heap's free memory back to the OS, where the segments schedule's CPU steps let go of a region.
+"""Handing the C heap's free memory back to the OS: where the segments schedule lets go of a region, and where a
+CPU step nears its memory budget.
 
 A CPU tensor's memory comes from the C library's `malloc`. glibc keeps what is freed in its heap for the next
 requests, resident, and a freed block can serve only requests that fit in it. The segments schedule frees one
@@ -9,11 +10,12 @@ budget of resident memory. `malloc_trim(0)` hands every free page of glibc's hea
 later request touches again costs a page fault.
 
 Beside those trims at fixed points, `ResidentBound` keeps a step's resident growth under its memory budget: the
-segments schedule's micro-batches, interleaved, free blocks of one size while others need blocks of another, so
-the pages glibc keeps can grow past the live tensors between two regions' ends. It reads the process's resident
-size at each micro-batch's turn and before each recomputation in the backward, and trims only once the step has
-added more than four fifths of its budget (the rest is room for what a turn adds before the next check): each trim
-hands pages back that the next requests fault in again, a cost paid only where the budget needs it.
+lockstep schedules' micro-batches, interleaved, free blocks of one size while others need blocks of another, and
+their recomputations in the backward free one region's blocks after another, so the pages glibc keeps can grow
+far past the live tensors. It reads the process's resident size at each micro-batch's turn and before each
+recomputation in the backward, and trims only once the step has added more than four fifths of its budget (the
+rest is room for what a turn adds before the next check): each trim hands pages back that the next requests fault
+in again, a cost paid only where the budget needs it.
 
 Why not torch's way: on CUDA the caching allocator frees its cached blocks and retries before it runs out, and
 the budget counts allocated bytes there (`torch.cuda.max_memory_allocated`), so nothing is done on CUDA. Where
