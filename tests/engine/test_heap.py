@@ -77,8 +77,8 @@ def _bound(monkeypatch, process: _Resident, budget: int | None, device: str = "c
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
 def test_the_bound_trims_only_once_the_step_has_added_four_fifths_of_its_budget(monkeypatch):
     process = _Resident(step=10, after_trim=0)
-    bound = _bound(monkeypatch, process, budget=100)
-    bound.start()  # reads 10: the level the step starts from
+    bound = _bound(monkeypatch, process, budget=100)  # reads 10: the level the step starts from
+    bound.start()
     try:
         for _ in range(8):  # 20, 30, ... 90: at most 80 above the start
             bound.check()
@@ -94,8 +94,8 @@ def test_the_bound_trims_only_once_the_step_has_added_four_fifths_of_its_budget(
 def test_a_trim_that_leaves_the_step_near_its_budget_waits_for_half_the_room_left(monkeypatch):
     # The live tensors near the budget: a trim at every check would fault the same pages in again and again.
     process = _Resident(step=1, after_trim=190)
-    bound = _bound(monkeypatch, process, budget=200)
-    bound.start()  # 1
+    bound = _bound(monkeypatch, process, budget=200)  # 1
+    bound.start()
     process.size = 170
     bound.check()  # 171: 170 above the start, past 160; trimmed to 190, which reads 191
     assert process.trims == 1 and bound.trigger == 190 + (200 - 190) // 2

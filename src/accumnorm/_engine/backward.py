@@ -27,6 +27,7 @@ from .intercept.forwards import step_forwards
 from .intercept.higher_order import higher_order_ops_in_step, refused_in
 from .lazy_eps import warn_large_eps
 from .memory.budget import check_budget, check_budget_fits_passes, default_budget, model_device
+from .memory.heap import ResidentBound
 from .memory.store import resolve_store, store_for
 from .safety import untraced
 from .safety.interrupts import SigintDeferred
@@ -197,9 +198,10 @@ def backward(
         refuse_before_step(names, schedule)
     store_hooks = store_for(store_device, model_device(model))
     budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(model_device(model))
+    bound = ResidentBound(budget, model_device(model))  # from the resident memory before the step
     # Nothing but the return after it: the step's own ending (this thread's flag, the recursion limit) is inside it,
     # before the last moment a Ctrl-C can still undo the step.
-    return _transaction(StepCall(model, micro_batches, objective, collectives, exact, budget), names,
+    return _transaction(StepCall(model, micro_batches, objective, collectives, exact, bound), names,
                         lambda new_step, start_over: run_step(new_step, schedule, store_hooks, start_over, sum(sizes),
                                                               budget, _settings(keep_every=keep_every)))
 

@@ -57,29 +57,26 @@ def release_free_memory(device: torch.device) -> None:
 
 class ResidentBound:
     """Trims the C heap (module doc) whenever the process's resident memory has grown by more than four fifths of
-    `budget` bytes since `start`: for a step on the CPU with glibc and Linux's /proc; nothing elsewhere, or without
-    a budget. After a trim that leaves the growth past that point (the live tensors near the budget), the next one
-    waits until half of what is left of the budget has come on top, so that trims do not follow every turn."""
+    `budget` bytes since the bound was made (at the start of an `accumnorm.backward` call, which every attempt of its
+    step shares): for a step on the CPU with glibc and Linux's /proc; nothing elsewhere, or without a budget. The
+    checks read the resident size between `start` and `close` (a schedule's lockstep). After a trim that leaves the
+    growth past that point (the live tensors near the budget), the next one waits until half of what is left of the
+    budget has come on top, so that trims do not follow every turn."""
 
     def __init__(self, budget: int | None, device: torch.device) -> None:
         self.budget = budget
         self.active = budget is not None and device.type == "cpu" and _TRIM is not None and _PAGE is not None
         self.fd: int | None = None
-        self.base = self.trigger = 0
+        self.base = self._resident() if self.active else 0
+        self.trigger = int(_TRIGGER * budget) if self.active else 0
 
     def start(self) -> None:
-        """From the resident memory now, until `close`."""
+        """Let `check` read the resident size, until `close`."""
         if self.active and self.fd is None:
-            try:
-                self.fd = os.open("/proc/self/statm", os.O_RDONLY)
-            except OSError:
-                self.active = False
-                return
-            self.base = self._resident()
-            self.trigger = int(_TRIGGER * self.budget)
+            self.fd = os.open("/proc/self/statm", os.O_RDONLY)
 
     def check(self) -> None:
-        """Trim if the resident growth since `start` has passed the trigger."""
+        """Trim if the resident growth since the bound was made has passed the trigger."""
         if self.fd is None or self._resident() - self.base <= self.trigger:
             return
         _TRIM(0)
@@ -92,7 +89,14 @@ class ResidentBound:
             self.fd = None
 
     def _resident(self) -> int:
-        return int(os.pread(self.fd, 64, 0).split()[1]) * _PAGE
+        if self.fd is not None:
+            return int(os.pread(self.fd, 64, 0).split()[1]) * _PAGE
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * _PAGE
+        except OSError:  # no /proc: nothing to read, nothing done
+            self.active = False
+            return 0
 
 
 def _page_size() -> int | None:

@@ -20,7 +20,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..._dist import Collectives
 from ..checkpointing.recorded import RecordedRegions
 from ..intercept.calls import BNCall, INCall, NormCalls, Watch, describe, describe_layer
-from ..memory.budget import model_device
 from ..memory.heap import ResidentBound
 from ..safety.graphs import Graphs
 from ..safety.interrupts import SigintDeferred
@@ -38,15 +37,15 @@ __all__ = ["Step", "StepCall"]
 @dataclass(frozen=True, eq=False)
 class StepCall:
     """What one `accumnorm.backward` call asks for: the model, its micro-batches, what they minimize, over which
-    ranks, whether BatchNorm is exact (`bn="exact"`) or each micro-batch's own, and the bytes the step may add to
-    the process's memory (its memory budget; None: no bound)."""
+    ranks, whether BatchNorm is exact (`bn="exact"`) or each micro-batch's own, and the process's resident memory
+    under the call's budget, from where it was when the call began (`memory.heap`)."""
 
     model: nn.Module
     micro_batches: list[Any]
     objective: MicroBatchLoss | BatchLoss
     collectives: Collectives
     exact: bool
-    budget: int | None = None
+    bound: ResidentBound
 
 
 class Step:
@@ -56,9 +55,9 @@ class Step:
     def __init__(self, call: StepCall, transaction: Transaction, rng: StepRng, interrupts: SigintDeferred) -> None:
         self.model, self.micro_batches, self.objective = call.model, call.micro_batches, call.objective
         self.collectives, self.exact = call.collectives, call.exact
-        # The process's resident memory under the step's budget, on the CPU (`memory.heap`): started by the
+        # The process's resident memory under the call's budget, on the CPU (`memory.heap`): started by the
         # lockstep, checked at each of its turns and before each region's recomputation in the backward.
-        self.bound = ResidentBound(call.budget, model_device(call.model))
+        self.bound = call.bound
         self.rng, self.interrupts = rng, interrupts
         self.restore_buffers = transaction.restore_buffers  # undoes what a forward did to the buffers (run twice)
         # torch.autograd.backward, for every backward a schedule runs: the leaves it reaches outside the model join
