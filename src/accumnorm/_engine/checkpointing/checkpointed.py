@@ -99,6 +99,8 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
         own(frame, region)
         out = forward(*a, **kw)
         rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 1
+        if region not in parameter_shapes:  # after its first forward, which makes a lazy layer's parameters
+            parameter_shapes[region] = _parameter_shapes(region)
         record_saved(region, _saved_bytes(frame, parameter_shapes[region], rows))
         return out
 
@@ -202,8 +204,7 @@ def _call_in_turn(children: list[nn.Module], input: Any) -> Any:
 def checkpointed(regions: list[Region], own: Own) -> AbstractContextManager[None]:
     """The regions' forwards checkpointed until the block ends: a module region's own forward, and the forward of
     the `nn.Sequential` that holds a run. `own(frame, region)` learns of each checkpoint frame they make."""
-    shapes = {r: _parameter_shapes(r) for r in regions}
-    return patched(regions, functools.partial(_region_call, own=own, parameter_shapes=shapes))
+    return patched(regions, functools.partial(_region_call, own=own, parameter_shapes={}))
 
 
 @contextmanager
