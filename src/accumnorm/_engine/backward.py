@@ -179,6 +179,7 @@ def backward(
     check_keep_every(keep_every, schedule)
     store_device = resolve_store(store)
     micro_batches, sizes = split(batch, micro_batch_size)
+    device = model_device(model)
     if memory_budget is not None:
         check_budget_fits_passes(model, memory_budget, micro_batches[0], sizes[0])
     collectives = Collectives(process_group)
@@ -188,7 +189,7 @@ def backward(
     else:
         total = sum(sizes)
         if process_group is not None:  # every sample of the global batch weighs the same
-            total = int(collectives.sum_(torch.tensor(total, device=model_device(model))).item())
+            total = int(collectives.sum_(torch.tensor(total, device=device)).item())
         objective = MicroBatchLoss(loss_fn, [n / total for n in sizes], grad_scaler)
     # Even one micro-batch goes through the exact schedule: inside a checkpointed region, torch's own BatchNorm
     # would update the running statistics a second time in the recomputation.
@@ -196,9 +197,9 @@ def backward(
     names = module_names(model)  # every module, once: what the refusals and the transaction walk over
     if exact:
         refuse_before_step(names, schedule)
-    store_hooks = store_for(store_device, model_device(model))
-    budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(model_device(model))
-    bound = ResidentBound(budget, model_device(model))  # from the resident memory before the step
+    store_hooks = store_for(store_device, device)
+    budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(device)
+    bound = ResidentBound(budget, device)  # from the resident memory before the step
     # Nothing but the return after it: the step's own ending (this thread's flag, the recursion limit) is inside it,
     # before the last moment a Ctrl-C can still undo the step.
     return _transaction(StepCall(model, micro_batches, objective, collectives, exact, bound), names,
