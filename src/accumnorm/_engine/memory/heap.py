@@ -12,8 +12,9 @@ later request touches again costs a page fault.
 Beside those trims at fixed points, `ResidentBound` keeps a step's resident growth under its memory budget: the
 lockstep schedules' micro-batches, interleaved, free blocks of one size while others need blocks of another, and
 their recomputations in the backward free one region's blocks after another, so the pages glibc keeps can grow
-far past the live tensors. It reads the process's resident size at each micro-batch's turn and before each
-recomputation in the backward, and trims only once the step has added more than four fifths of its budget (the
+far past the live tensors (passes' too, one micro-batch's blocks after another's). It reads the process's resident
+size at each micro-batch's turn (passes: after each micro-batch's pass) and before each recomputation in the
+backward, and trims only once the step has added more than four fifths of its budget (the
 rest is room for what a turn adds before the next check): each trim hands pages back that the next requests fault
 in again, a cost paid only where the budget needs it.
 

@@ -172,6 +172,7 @@ class _Passes:
             finally:
                 self.step.rng.end(k)
             self.step.interrupts.check()
+            self.step.bound.check()  # what the micro-batch's pass freed, once the step nears its budget (`memory.heap`)
 
     def _forward(self, k: int) -> Any:
         """Micro-batch k's forward (its loss, or its outputs); _STOPPED if a truncated pass stopped it at its target."""
@@ -298,6 +299,8 @@ class Passes(Schedule):
 
     def run(self, step: Step, store: Store | Meter | None) -> None:
         try:
+            step.bound.start()
             _Passes(step).run()
         finally:
+            step.bound.close()
             step.graphs.clear()
