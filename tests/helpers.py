@@ -334,3 +334,15 @@ def failing_forward(failure: str):
             raise RuntimeError("the model failed")
         return output * float("nan")
     return fail
+
+
+def live_peak(step) -> int:
+    """The peak bytes of live tensors while `step()` runs (torch's CPU allocator, as the profiler records it)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = peak = 0
+    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak

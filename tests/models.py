@@ -186,6 +186,16 @@ MODELS = {
 }
 
 
+def wide_inside(width: int = 32) -> nn.Sequential:
+    """A VGG-like stack whose first region makes one wide tensor of `width` channels (a convolution and its tanh) with
+    no BatchNorm call on it, everything after it small: a lockstep's meeting at each BatchNorm call holds little,
+    recompute's backward the first region's recomputation of the whole batch, the wide tensor included, and segments'
+    backward one micro-batch's."""
+    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.Tanh(), nn.Conv2d(width, 4, 3, padding=1),
+                         nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(4), nn.Conv2d(4, 4, 3, padding=1),
+                         nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8), nn.Flatten(), nn.Linear(4, 10)).double()
+
+
 def data(shape, n: int, dtype=torch.float32):
     return torch.randn(n, *shape, dtype=dtype), torch.randint(0, 10, (n,))
 

@@ -16,8 +16,18 @@ import accumnorm
 from accumnorm._engine.checkpointing import kept
 from accumnorm._engine.checkpointing import regions as regions_module
 from accumnorm._engine.checkpointing.regions import Run, choose_regions
-from helpers import SavedBytes, assert_unchanged, ce_loss, compare, quiet_next_step, rel_err, snapshot, whole_batch
-from models import data
+from helpers import (
+    SavedBytes,
+    assert_unchanged,
+    ce_loss,
+    compare,
+    live_peak,
+    quiet_next_step,
+    rel_err,
+    snapshot,
+    whole_batch,
+)
+from models import data, wide_inside
 
 
 class Block(nn.Module):
@@ -537,18 +547,6 @@ def test_a_region_that_never_runs_leaves_the_measured_ones_weighed():
     assert regions_module.keep_allowance(after) > 0
 
 
-def live_peak(step) -> int:
-    """The peak bytes of live tensors while `step()` runs (torch's CPU allocator, as the profiler records it)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = peak = 0
-    for e in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def test_a_met_call_in_regions_holds_no_more_than_its_input_and_one_more_tensor_of_the_whole_batch():
     """A wide first BatchNorm (everything else small): a met call inside regions makes no concatenated copy of its
     input, the driver lets go of each micro-batch's piece as it resumes it, and the backward lets go of each piece
@@ -613,22 +611,14 @@ def test_auto_runs_passes_where_every_other_schedule_would_pass_the_budget():
     compare(ref, model, 1e-9)
 
 
-def wide_first() -> nn.Sequential:
-    """A VGG-like stack whose first BatchNorm is wide and everything after it small: what recompute's forward keeps
-    (the regions' inputs) is little, what its backward recomputes for the first region is a lot."""
-    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
-                         nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
-                         nn.Flatten(), nn.Linear(4, 10)).double()
-
-
 def test_auto_counts_recomputes_backward_before_it_runs_and_runs_segments_where_only_the_forward_fits():
-    """The backward recomputes the first region for every micro-batch at once (its BatchNorm call waits for all
-    of them): at least the whole batch's input of that call. A budget with room for recompute's forward but not
-    for that runs segments, which recomputes one micro-batch at a time, exactly, and says why; the recomputation is
-    counted before the backward makes it."""
-    model, batch = wide_first(), data((1, 32, 32), 16, torch.float64)
+    """The backward recomputes the first region for every micro-batch at once (the BatchNorm call after it waits for
+    all of them): its wide tensor of the whole batch. A budget with room for recompute's forward but not for that
+    runs segments, which recomputes one micro-batch at a time, exactly, and says why; the recomputation is counted
+    before the backward makes it."""
+    model, batch = wide_inside(), data((1, 32, 32), 16, torch.float64)
     grads, _, forward = figures(model, batch)
-    wide = 16 * 32 * 32 * 32 * 8  # the first BatchNorm's input of the whole batch
+    wide = 16 * 32 * 32 * 32 * 8  # the first region's wide tensor of the whole batch
     budget = grads + forward + wide // 2
     ref = copy.deepcopy(model)
     expected = whole_batch(ref, batch)
@@ -637,6 +627,27 @@ def test_auto_counts_recomputes_backward_before_it_runs_and_runs_segments_where_
     choice = accumnorm.last_schedule(model)
     assert choice.schedule == "segments" and "recompute would keep more than" in choice.reason, choice
     assert choice.reason.endswith("it ran, keeping the arguments of one region in 1 of a chain"), choice
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_a_figure_its_meter_stopped_is_a_floor_and_a_larger_budget_meters_the_schedule_again():
+    """A meter that stops a schedule has counted only what it kept until then. A later step whose budget that floor
+    fits runs the schedule metered again, not on the floor's word: where it still does not fit, the meter stops it
+    again and the step runs the next schedule, exactly, saying why."""
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    grads, layerwise, recompute = figures(model, batch)
+    assert recompute < layerwise
+    ref = copy.deepcopy(model)
+    whole_batch(ref, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the first step leaves layerwise: a warning, once
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + layerwise // 4)
+    assert "layerwise would keep more than" in accumnorm.last_schedule(model).reason
+    loss, expected = quiet_next_step(model, ref, batch, micro_batch_size=2,
+                                     memory_budget=grads + (layerwise + recompute) // 2)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "recompute" and "layerwise would keep more than" in choice.reason, choice
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
 

@@ -23,12 +23,13 @@ from helpers import (
     ce_loss,
     compare,
     exact_vs_whole_batch,
+    live_peak,
     quiet_next_step,
     rel_err,
     snapshot,
     whole_batch,
 )
-from models import data, resnet, vgg
+from models import data, resnet, vgg, wide_inside
 
 
 class DropBlock(nn.Module):
@@ -167,7 +168,7 @@ def _chain() -> nn.Module:
     return dropout_chain().apply(_no_dropout).double()
 
 
-def _segments_need(model: nn.Module, batch, keep_every: int, monkeypatch) -> int:
+def _segments_need(model: nn.Module, batch, keep_every: int, monkeypatch, micro_batch_size: int = 2) -> int:
     """What "auto"'s meter counts for segments at `keep_every` on a copy of `model` (the figure a budget is judged
     by), with the schedules before it out of "auto"'s table."""
     with monkeypatch.context() as m:
@@ -177,7 +178,7 @@ def _segments_need(model: nn.Module, batch, keep_every: int, monkeypatch) -> int
         trial = copy.deepcopy(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            accumnorm.backward(trial, batch, ce_loss, micro_batch_size=2, memory_budget=2**40)
+            accumnorm.backward(trial, batch, ce_loss, micro_batch_size=micro_batch_size, memory_budget=2**40)
     choice = accumnorm.last_schedule(trial)
     assert choice.schedule == "segments", choice
     return choice.need
@@ -214,32 +215,56 @@ def test_auto_runs_segments_at_the_fewest_kept_arguments_that_fit_and_judges_the
 
 def test_auto_counts_one_micro_batchs_recomputation_before_segments_backward(monkeypatch):
     """Segments' backward recomputes a region for one micro-batch at a time: the meter reserves that before the
-    backward starts (here the first region's, whose wide BatchNorm input is most of it), not the whole batch's
-    recomputation as recompute does. A budget with room for segments' forward but not for that reserve runs passes
-    (with segments tried at keep_every=1 alone, whose kept arguments are what the reserve is measured beside)."""
-    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
-                          nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
-                          nn.Flatten(), nn.Linear(4, 10)).double()
-    batch = data((1, 32, 32), 16, torch.float64)
-    wide = 16 * 32 * 32 * 32 * 8  # the first BatchNorm's input of the whole batch
+    backward starts (here the first region's, whose wide tensor is most of it), not the whole batch's recomputation
+    as recompute does. A budget with room for segments' forward but not for that reserve runs passes (with segments
+    tried at keep_every=1 alone, whose kept arguments are what the reserve is measured beside)."""
+    model, batch = wide_inside(64), data((1, 32, 32), 16, torch.float64)
+    wide = 16 * 64 * 32 * 32 * 8  # the first region's wide tensor of the whole batch
     reserved = []
     with monkeypatch.context() as m:
         reserve = budget_module.Meter.reserve_bytes
 
         def spy(self, n):
-            reserved.append((self.bytes, n))  # what was counted before it, and it
+            reserved.append((self.bytes, self.peak, n))  # what was counted before it (kept, and at most), and it
             reserve(self, n)
 
         m.setattr(budget_module.Meter, "reserve_bytes", spy)
-        need = _segments_need(model, batch, 1, monkeypatch)
-    (_, n), = reserved
-    assert wide // 8 <= n < wide // 2, (n, wide)  # at least the first call's input of one micro-batch of 8
+        need = _segments_need(model, batch, 1, monkeypatch, micro_batch_size=4)
+    (kept, forward, n), = reserved
+    assert wide // 4 <= n < wide // 2, (n, wide)  # at least the wide tensor of one micro-batch of 4
+    assert forward < kept + n // 2, (forward, kept, n)  # the forward's moments fit in the budget below
     ref = copy.deepcopy(model)
     expected = whole_batch(ref, batch)
     budget = need - n // 2
     monkeypatch.setattr(segments_module, "_AUTO_KEEP_EVERY", (1,))
     with pytest.warns(RuntimeWarning, match="running the passes schedule"):
-        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=4, memory_budget=budget)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "passes" and "segments(keep_every=1) would keep more than" in choice.reason, choice
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_auto_counts_a_met_calls_input_and_output_of_the_whole_batch(monkeypatch):
+    """At a met BatchNorm call the lockstep holds every micro-batch's piece of its input and of its output at once,
+    though segments keeps neither for the backward: with a wide first call, most of the step's peak. "auto"'s figure
+    counts them, and a budget without room for them runs passes, exactly."""
+    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
+                          nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
+                          nn.Flatten(), nn.Linear(4, 10)).double()
+    batch = data((1, 32, 32), 16, torch.float64)
+    wide = 16 * 32 * 32 * 32 * 8  # the first call's input of the whole batch, and its output
+    trial = copy.deepcopy(model)
+    accumnorm.backward(trial, batch, ce_loss, micro_batch_size=2, schedule="segments", keep_every=1)
+    assert live_peak(lambda: accumnorm.backward(trial, batch, ce_loss, micro_batch_size=2, schedule="segments",
+                                                keep_every=1)) >= 2 * wide  # what the count is of: the step's own
+    need = _segments_need(model, batch, 1, monkeypatch)
+    assert need >= 2 * wide, (need, wide)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    monkeypatch.setattr(segments_module, "_AUTO_KEEP_EVERY", (1,))
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=need - wide // 2)
     choice = accumnorm.last_schedule(model)
     assert choice.schedule == "passes" and "segments(keep_every=1) would keep more than" in choice.reason, choice
     assert rel_err(loss, expected) < 1e-12

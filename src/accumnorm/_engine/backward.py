@@ -113,12 +113,12 @@ def backward(
             DDP-wrapped model is unwrapped and its group used). Not with `batch_loss_fn`. Default: None.
         grad_scaler: a `torch.amp.GradScaler`: the loss is scaled by it before backward. Default: None.
         memory_budget: the bytes "auto" lets a step keep for its backward: the tensors its forward keeps
-            (autograd's saved tensors, the regions' arguments), what its backward's recomputation holds, and
-            the gradients the step makes; gradients that exist before the step (``zero_grad(set_to_none=False)``)
-            are not part of it. A positive int. The process's peak rises above it by the working memory of
-            the forward and the backward and what the allocator keeps of what it freed; on the CPU, the
-            lockstep schedules hand the heap's free pages back once the step has added four fifths of it
-            (docs/schedules.md).
+            (autograd's saved tensors, the regions' arguments), at a met BatchNorm call the whole batch's input
+            and output there, what its backward's recomputation holds, and the gradients the step makes;
+            gradients that exist before the step (``zero_grad(set_to_none=False)``) are not part of it. A
+            positive int. The process's peak rises above it by the working memory of the forward and the
+            backward and what the allocator keeps of what it freed; on the CPU, the step hands the heap's free
+            pages back once it has added four fifths of it (docs/schedules.md).
             Default: None, a tenth less than the free memory of the model's device (on the CPU, the available
             memory the kernel reports).
         keep_every: the segments schedule's setting (with schedule="segments" only). Where regions form a chain,

@@ -4,15 +4,19 @@ On a GPU, running out of memory is an exception the step can recover from; on a 
 killing the process. So "auto" chooses before the memory is used, from measured figures: a step's need is
 the bytes of tensors its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage
 counted once, parameters not at all), per sample, as this model's last step with batches of this shape
-measured them, times the step's samples, plus the gradients it makes. Layerwise runs when its need fits the
-budget, recompute when its does, then segments at each of its settings, passes otherwise. A step with no figure
-yet runs metered: the meter stops it (`OverBudget`) as soon as what it keeps would pass the budget, before it
-does, and the step starts over in the next schedule. Recompute's figure is what its forward keeps (the regions'
-inputs, what runs outside them, the kept convolution outputs) and, reserved before its backward starts, the
-recomputation of its largest region for every micro-batch at once, which that backward holds. Its regions and kept
-outputs are chosen from the last step's measurements, so that each of its steps runs metered. Segments' figure
-counts the regions' arguments it keeps (`Meter.count`) and, reserved before its backward, one micro-batch's
-recomputation of a region and the arguments it recomputes (`Meter.reserve_bytes`).
+measured them, times the step's samples, plus the gradients it makes. A lockstep also holds, at each met
+BatchNorm call, every micro-batch's piece of the call's input and output at once, which its forwards need not
+keep: the meter counts them for that moment (`Meter.beside`), and a figure is the most it counted at once.
+Layerwise runs when its need fits the budget, recompute when its does, then segments at each of its settings,
+passes otherwise. A step with no figure yet runs metered: the meter stops it (`OverBudget`) as soon as what it
+keeps would pass the budget, before it does, and the step starts over in the next schedule. The figure of a
+stopped step is only a floor (`stopped_figures`): a later step whose budget it fits runs that schedule metered.
+Recompute's figure is what its forward keeps (the regions' inputs, what runs outside them, the kept convolution
+outputs) and, reserved before its backward starts, the recomputation of its largest region for every micro-batch at
+once, which that backward holds. Its regions and kept outputs are chosen from the last step's measurements, so that
+each of its steps runs metered. Segments' figure counts the regions' arguments it keeps (`Meter.count`) and,
+reserved before its backward, one micro-batch's recomputation of a region and the arguments it recomputes
+(`Meter.reserve_bytes`).
 
 The budget, by default: on CUDA the device's free memory, on the CPU the available memory (the kernel's
 MemAvailable), each less a tenth; `memory_budget` sets it in bytes.
@@ -35,7 +39,7 @@ from .store import Store
 
 __all__ = ["Choice", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget", "figures",
            "format_bytes", "gradient_bytes", "last_schedule", "model_device", "record_choice", "schedule_label",
-           "signature"]
+           "signature", "stopped_figures"]
 
 _MARGIN = 0.9  # of the free memory, the share a default budget takes
 
@@ -141,12 +145,20 @@ def signature(micro_batch: Any) -> tuple:
 # model -> {(signature, schedule): saved bytes per sample}: the figures of its last metered steps
 _FIGURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, float]] = weakref.WeakKeyDictionary()
 _CHOICES: weakref.WeakKeyDictionary[nn.Module, Choice] = weakref.WeakKeyDictionary()
+_STOPPED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 
 
 def figures(model: nn.Module) -> dict[tuple, float]:
     if model not in _FIGURES:
         _FIGURES[model] = {}
     return _FIGURES[model]
+
+
+def stopped_figures(model: nn.Module) -> set[tuple]:
+    """The keys of `figures(model)` that a meter stopped: what the schedule keeps is at least that, and may be more."""
+    if model not in _STOPPED:
+        _STOPPED[model] = set()
+    return _STOPPED[model]
 
 
 def record_choice(model: nn.Module, choice: Choice) -> None:
@@ -172,7 +184,13 @@ class Meter:
     def __init__(self, limit: float | None, store: Store | None, samples: int) -> None:
         self.limit, self.store, self.samples = limit, store, samples
         self.bytes = 0
+        self.peak = 0  # the most counted at one moment: what is kept, and what that moment held beside it (`beside`)
         self._seen: set[int] = set()
+
+    @property
+    def need(self) -> int:
+        """The step's figure: the most it held at once of what the meter counts."""
+        return max(self.bytes, self.peak)
 
     def reserve(self, per_sample: float) -> None:
         """Count `per_sample` bytes for each of the step's samples (a region's recomputation in the backward, for every
@@ -194,6 +212,16 @@ class Meter:
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
                 self._check()
+
+    def beside(self, tensors: list[Tensor]) -> None:
+        """Count, for this moment only, `tensors` the step holds beside what it keeps (a met call's input and output
+        for the whole batch, which a lockstep holds at once while its forwards keep neither); each storage once, none
+        already counted. Raise `OverBudget` if the budget has no room for them."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        now = self.bytes + sum(n for key, n in storages.items() if key not in self._seen)
+        self.peak = max(self.peak, now)
+        if self.limit is not None and now > self.limit:
+            raise OverBudget
 
     def _check(self) -> None:
         if self.limit is not None and self.bytes > self.limit:

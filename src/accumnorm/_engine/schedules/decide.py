@@ -28,7 +28,17 @@ from torch import Tensor
 from ..._warn import warn_at_caller
 from ..checkpointing.checkpointed import RegionStateChanged
 from ..intercept.guards import has_norm_statistics, refuse_node_backward_hooks, refuse_unseen_batch_norms
-from ..memory.budget import Choice, Meter, OverBudget, figures, format_bytes, gradient_bytes, record_choice, signature
+from ..memory.budget import (
+    Choice,
+    Meter,
+    OverBudget,
+    figures,
+    format_bytes,
+    gradient_bytes,
+    record_choice,
+    signature,
+    stopped_figures,
+)
 from ..memory.store import Store
 from ..step.step import Step
 from .base import Schedule
@@ -122,7 +132,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
     """Run the step under the first schedule that fits `budget` (None: any fits); fills the step as that one does."""
     model = step.model
     key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
-    known = figures(model)
+    known, stopped = figures(model), stopped_figures(model)
     reasons: list[str] = []
     refused: set[str] = set()  # schedules that could not run this step exactly, at any of their settings
     for schedule in _by_memory():
@@ -132,20 +142,23 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
         need = _known_need(known, key, name, grads, samples, budget, reasons)
         if need is not None and budget is not None and need > budget:
             continue
-        metered = need is None or schedule.remeasured
+        # A figure a meter stopped is only a floor: where it fits, the schedule runs metered again.
+        metered = need is None or schedule.remeasured or (key, name) in stopped
         meter = Meter(None if budget is None else budget - grads, store, samples) if metered else None
         try:
             why = _attempt(schedule, step, meter or store)
         except OverBudget:
-            known[(key, name)] = meter.bytes / samples
+            known[(key, name)] = meter.need / samples
+            stopped.add((key, name))
             reasons.append(f"{name} would keep more than {format_bytes(budget)} (this step's meter stopped it first)")
         except torch.OutOfMemoryError as e:
             reasons.append(f"{name} ran out of memory ({e})")
         else:
             if why is None:
                 if meter is not None:
-                    known[(key, name)] = meter.bytes / samples
-                    need = grads + meter.bytes
+                    known[(key, name)] = meter.need / samples
+                    stopped.discard((key, name))
+                    need = grads + meter.need
                 record_choice(model, Choice(schedule.name, _why(schedule, reasons), need, budget, schedule.settings))
                 _tell(model, name, reasons, budget)
                 return step
@@ -207,8 +220,8 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
         step, agreed, meter = new_step(), SCHEDULES["layerwise"], Meter(None, store, samples)
         reasons.append(why)
         agreed.run(step, meter)
-    known[(key, agreed.label)] = meter.bytes / samples
-    record_choice(model, Choice(agreed.name, _why(agreed, reasons), grads + meter.bytes, budget, agreed.settings))
+    known[(key, agreed.label)] = meter.need / samples
+    record_choice(model, Choice(agreed.name, _why(agreed, reasons), grads + meter.need, budget, agreed.settings))
     _tell(model, agreed.label, reasons, budget)
     return step
 

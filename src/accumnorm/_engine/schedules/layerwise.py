@@ -101,6 +101,8 @@ class _Lockstep:
                 if None in calls:
                     step.meeting.check_same(calls, index)  # raises: not all at a BatchNorm call
                 outputs, replay = step.meeting.meet(calls, index, self.base.modes)  # each pause left the driver in base
+                if isinstance(self.store, Meter):  # "auto": the call's input and output of the whole batch, at once
+                    self.store.beside([c.input for c in calls] + outputs)
                 # The K rows' node, shared; or one micro-batch's whose input its regions keep, back-propagated once
                 if (len(outputs) > 1 or replay.keeps_input) and outputs[0].grad_fn is not None:
                     outputs[0].grad_fn.register_prehook(step.inner_backward_refusal(
