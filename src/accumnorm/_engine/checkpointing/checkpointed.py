@@ -28,10 +28,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..safety import untraced
+from ..safety.flatten import flatten
 from ..safety.threadstate import saved_tensor_hooks
 from .frames import RegionStateChanged, forward_regions, in_recomputation, in_region
 from .regions import Region, Run, record_saved, region_modules
@@ -77,7 +78,7 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
     # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
     if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
         return forward(*args, **kwargs)
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = flatten((args, kwargs))
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     versions = [leaves[i]._version for i in tensors]
     given: list[Any] = [None]  # the arguments the forward (not a recomputation) was given
@@ -105,7 +106,7 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
         return out
 
     out = checkpoint(run, *[leaves[i] for i in tensors], use_reentrant=False, preserve_rng_state=True)
-    (after, after_spec), given[0] = tree_flatten(given[0]), False
+    (after, after_spec), given[0] = flatten(given[0]), False
     if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
             a is not b for i, (a, b) in enumerate(zip(after, leaves)) if i not in tensors):
         raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but the "

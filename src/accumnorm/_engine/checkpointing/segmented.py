@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_unflatten
 
 from ..bn.replay import CallReplay
 from ..memory.budget import Meter
 from ..memory.heap import release_free_memory
+from ..safety.flatten import flatten
 from ..safety.threadstate import Modes, saved_tensor_hooks
 from .checkpointed import RegionState, patched
 from .frames import RegionStateChanged, in_recomputation, in_region, in_segment, keeping_nothing
@@ -136,7 +137,7 @@ class SegmentedRegions:
                 in_region(hooks) or in_recomputation(hooks) or in_segment(hooks):
             return forward(*args, **kwargs)
         self.state.called(region)
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = flatten((args, kwargs))
         tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         versions = [leaves[i]._version for i in tensors]
         entry = Entry(region, forward, leaves, spec, tensors, self._rng_states(k), Modes.current(),
@@ -149,14 +150,14 @@ class SegmentedRegions:
         finally:
             self.open[k] = None
         entry.saved = kept.counted.bytes
-        after, after_spec = tree_flatten((args, kwargs))
+        after, after_spec = flatten((args, kwargs))
         if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
                 a is not b for a, b in zip(after, leaves)):
             raise RegionStateChanged(
                 f"the segments schedule runs a region's forward again in the backward, but the forward of "
                 f"{type(region_modules(region)[0]).__name__} changed its arguments in place: its recomputation "
                 "would not be exact")
-        out_leaves, out_spec = tree_flatten(out)
+        out_leaves, out_spec = flatten(out)
         del out
         positions = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor) and t.requires_grad]
         outputs = [out_leaves[i].detach() for i in positions]
