@@ -186,6 +186,14 @@ MODELS = {
 }
 
 
+def wide_first() -> nn.Sequential:
+    """A VGG-like stack whose first BatchNorm call is wide (32 channels at full size) and everything after it small:
+    at that call a lockstep holds the whole batch's wide input and output at once."""
+    return nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
+                         nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
+                         nn.Flatten(), nn.Linear(4, 10)).double()
+
+
 def wide_inside(width: int = 32) -> nn.Sequential:
     """A VGG-like stack whose first region makes one wide tensor of `width` channels (a convolution and its tanh) with
     no BatchNorm call on it, everything after it small: a lockstep's meeting at each BatchNorm call holds little,

@@ -27,7 +27,7 @@ from helpers import (
     snapshot,
     whole_batch,
 )
-from models import data, wide_inside
+from models import data, wide_first, wide_inside
 
 
 class Block(nn.Module):
@@ -552,9 +552,7 @@ def test_a_met_call_in_regions_holds_no_more_than_its_input_and_one_more_tensor_
     input, the driver lets go of each micro-batch's piece as it resumes it, and the backward lets go of each piece
     once its gradient is made; so the step's peak stays near two whole-batch tensors of that size (the input and
     the output in the forward; the input and its gradient in the backward), not three or more."""
-    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
-                          nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
-                          nn.Flatten(), nn.Linear(4, 10)).double()
+    model = wide_first()
     batch = data((1, 32, 32), 16, torch.float64)
     accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")  # first calls' caches
     model.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ from helpers import (
     snapshot,
     whole_batch,
 )
-from models import data, resnet, vgg, wide_inside
+from models import data, resnet, vgg, wide_first, wide_inside
 
 
 class DropBlock(nn.Module):
@@ -249,9 +249,7 @@ def test_auto_counts_a_met_calls_input_and_output_of_the_whole_batch(monkeypatch
     """At a met BatchNorm call the lockstep holds every micro-batch's piece of its input and of its output at once,
     though segments keeps neither for the backward: with a wide first call, most of the step's peak. "auto"'s figure
     counts them, and a budget without room for them runs passes, exactly."""
-    model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.BatchNorm2d(32), nn.Tanh(), nn.AvgPool2d(4),
-                          nn.Conv2d(32, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh(), nn.AvgPool2d(8),
-                          nn.Flatten(), nn.Linear(4, 10)).double()
+    model = wide_first()
     batch = data((1, 32, 32), 16, torch.float64)
     wide = 16 * 32 * 32 * 32 * 8  # the first call's input of the whole batch, and its output
     trial = copy.deepcopy(model)
