@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _models import MODELS, Batch, Case
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 Method = Callable[[nn.Module, Batch, int, Case], None]
 
@@ -58,13 +59,18 @@ def whole_step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
 def checkpointed_step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
     """Plain accumulation with the regions the recompute schedule would choose for this model each run in torch's
     `checkpoint(use_reentrant=False)`, and nothing else of accumnorm's: what checkpointing those regions costs by
-    itself, the floor under recompute's time. No convolution keeps its output, as recompute's may."""
+    itself, the floor under recompute's time. No convolution keeps its output, as recompute's may; and the regions
+    are torch's checkpoints, where recompute's are frames of its own (`checkpointing.recomputation`)."""
     # the schedule's own regions, not a public API
-    from accumnorm._engine.checkpointing.checkpointed import checkpointed
+    from accumnorm._engine.checkpointing.checkpointed import patched
     from accumnorm._engine.checkpointing.regions import choose_regions
 
-    with checkpointed(choose_regions(model), lambda frame, region: None):
+    with patched(choose_regions(model), _torch_checkpoint):
         plain_step(model, batch, micro, case)
+
+
+def _torch_checkpoint(region: object, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
 
 class NoFloor(ValueError):

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointError
 
 import accumnorm
 from accumnorm._engine.checkpointing import kept
@@ -326,8 +325,66 @@ def test_a_region_whose_recomputation_makes_more_batchnorm_calls_is_refused_and_
 
     model, batch = net(Unsteady), data((1, 8, 8), 8, torch.float64)
     snap = snapshot(model)
-    # The extra call takes the first call's recorded output, and torch's checkpoint finds what it saves misplaced.
-    with pytest.raises(CheckpointError, match="different metadata"):
+    # The recomputation runs to its end, where the extra call finds no recorded output left.
+    with pytest.raises(ValueError, match="recomputation made more BatchNorm calls than its forward"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("change", ["count", "shape"])
+def test_a_region_whose_recomputation_saves_other_tensors_is_refused_as_torchs_checkpoint_refuses_it(change):
+    """The schedule's own regions check what their recomputation saves as torch's checkpoint does: as many tensors,
+    of the same shapes, dtypes and devices, or torch's `CheckpointError`, with nothing changed."""
+    from torch.utils.checkpoint import CheckpointError
+
+    calls: dict[int, int] = {}
+
+    class Unsteady(Block):
+        """From its fifth call on (its recomputation, after the step's 4 forwards), saves one tensor more, or runs
+        on its input twice over and saves tensors of another shape, for the same output."""
+
+        def forward(self, x):
+            calls[id(self)] = calls.get(id(self), 0) + 1
+            if calls[id(self)] <= 4:
+                return super().forward(x)
+            if change == "count":
+                return super().forward(x + torch.tanh(x) * 0)
+            return super().forward(torch.cat([x, x]))[:len(x)]
+
+    model, batch = net(Unsteady), data((1, 8, 8), 8, torch.float64)
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match="different number" if change == "count" else "different metadata"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert_unchanged(model, snap)
+
+
+class ChangesBlockInput(nn.Module):
+    """net()'s blocks, each block's input halved in place after the block's call saved it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.blocks = nn.ModuleList(Block() for _ in range(6))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x):
+        h = self.stem(x) + 0
+        for block in self.blocks:
+            y = block(h)
+            h.mul_(0.5)
+            h = y + 0
+        return self.head(h)
+
+
+def test_an_input_of_a_region_changed_in_place_after_its_call_is_refused_as_torch_refuses_it():
+    """A region keeps its input for its recomputation; changed in place after the call, it would be recomputed from
+    the changed tensor. Whole-batch torch refuses at the backward; so does the region's recomputation."""
+    model, batch = ChangesBlockInput().double(), data((1, 8, 8), 8, torch.float64)
+    assert model.blocks[0] in choose_regions(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        whole_batch(copy.deepcopy(model), batch)
+    snap = snapshot(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: an input .* recompute schedule"):
         accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
     assert_unchanged(model, snap)
 

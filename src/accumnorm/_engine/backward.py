@@ -93,7 +93,7 @@ def backward(
         schedule: how exact mode runs. "layerwise": the micro-batches' forwards in lockstep on this thread,
             meeting at each BatchNorm call; about the cost of plain accumulation, keeping the whole batch's
             saved tensors in `store`. "recompute": layerwise with the model cut into checkpointed regions
-            (``torch.utils.checkpoint``, made exact): it keeps the regions' inputs of the whole batch and the
+            (as ``torch.utils.checkpoint`` would, made exact): it keeps the regions' inputs of the whole batch and the
             outputs of their costliest convolutions, and recomputes the rest in the backward, at most one
             forward more (see docs/schedules.md). "segments": as recompute, but each region's backward
             recomputes one micro-batch at a time (in the passes schedule's passes, over the region alone), so

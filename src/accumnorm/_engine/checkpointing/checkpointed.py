@@ -1,12 +1,12 @@
-"""A step's own checkpointed regions: the chosen modules' forwards run in `torch.utils.checkpoint` for the step.
+"""A step's own checkpointed regions: the chosen modules' forwards run checkpointed for the step.
 
 For the length of a step (`checkpointed`), each region (`regions`: a module, or a run of an `nn.Sequential`'s
-children) runs its forward in `torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
-preserve_rng_state=True)`, which keeps only the region's inputs and recomputes the rest when the backward reaches
-it. A module region's forward is its class's, checkpointed; a run's is its Sequential's, torch's own loop over the
-children with the run's children called in one checkpoint. A region called inside a region the user already
-checkpointed, or without grad, runs as it is. Each region call measures what its forward saved, for the next
-steps' choice of regions (`regions.record_saved`).
+children) runs its forward in a `recomputation.RegionFrame`, which keeps only the region's inputs and recomputes
+the rest when the backward reaches it, as `torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
+preserve_rng_state=True)` does. A module region's forward is its class's, checkpointed; a run's is its
+Sequential's, torch's own loop over the children with the run's children called in one frame. A region called
+inside a region the user already checkpointed, or without grad, runs as it is. Each region call measures what its
+forward saved, for the next steps' choice of regions (`regions.record_saved`).
 
 A region is exact only if running its forward twice gives the same result: `RegionState` finds a forward that
 changed a region module's Python attributes or buffers (other than the BatchNorm state the step itself keeps),
@@ -29,12 +29,12 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_unflatten
-from torch.utils.checkpoint import checkpoint
 
 from ..safety import untraced
 from ..safety.flatten import flatten
 from ..safety.threadstate import saved_tensor_hooks
-from .frames import RegionStateChanged, forward_regions, in_recomputation, in_region
+from .frames import RegionStateChanged, in_recomputation, in_region
+from .recomputation import RegionFrame
 from .regions import Region, Run, record_saved, region_modules
 
 __all__ = ["RegionCall", "RegionState", "RegionStateChanged", "checkpointed", "patched"]
@@ -50,29 +50,27 @@ def _parameter_shapes(region: Region) -> Counter[tuple[int, ...]]:
     return Counter(tuple(p.shape) for m in region_modules(region) for p in m.parameters())
 
 
-def _saved_bytes(frame: Any, parameter_shapes: Counter[tuple[int, ...]], rows: int) -> float:
+def _saved_bytes(frame: RegionFrame, parameter_shapes: Counter[tuple[int, ...]], rows: int) -> float:
     """The bytes per sample a region's forward saved (its frame's metadata of each saved tensor), its modules'
     parameters left out: one saved tensor of each of `parameter_shapes`, in whatever dtype it was saved (under
     autocast a weight is saved as its reduced-precision copy)."""
     params = parameter_shapes.copy()
     saved = 0
-    for meta in frame.x_metadatas:
-        if not (isinstance(meta, dict) and "shape" in meta):
-            continue
-        shape = tuple(meta["shape"])
+    for shape, dtype, _ in frame.metadata:
+        shape = tuple(shape)
         if params[shape] > 0:
             params[shape] -= 1
         else:
-            saved += math.prod(shape) * meta["dtype"].itemsize
+            saved += math.prod(shape) * dtype.itemsize
     return saved / max(1, rows)
 
 
 def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *,
                  own: Own, parameter_shapes: dict[Region, Counter[tuple[int, ...]]]) -> Any:
-    """`forward(*args, **kwargs)` in a checkpointed region. The arguments go in as their tensors, which the region
-    saves, and a structure built afresh around them: a list the caller appends to after the call (DenseNet's
-    features) is recomputed as the forward saw it. A forward that changes its tensors or containers in place is
-    refused. `own(frame, region)` learns of each forward's call: the region's checkpoint frame, in which
+    """`forward(*args, **kwargs)` in a checkpointed region (`recomputation.RegionFrame`). The arguments go in as
+    their tensors, which the region keeps, and a structure built afresh around them: a list the caller appends to
+    after the call (DenseNet's features) is recomputed as the forward saw it. A forward that changes its tensors or
+    containers in place is refused. `own(frame, region)` learns of each forward's call: the region's frame, in which
     convolutions may keep their outputs. `parameter_shapes`: each region's (`_parameter_shapes`), read once a step."""
     hooks = saved_tensor_hooks()
     # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
@@ -82,30 +80,24 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     versions = [leaves[i]._version for i in tensors]
     given: list[Any] = [None]  # the arguments the forward (not a recomputation) was given
-    saved = _SavedVersions()
 
     def run(*inputs: Tensor) -> Any:
         filled = list(leaves)
         for i, t in zip(tensors, inputs):
             filled[i] = t
         a, kw = tree_unflatten(filled, spec)
-        if given[0] is not None:  # a recomputation
-            try:
-                with _top_hooks(pack=saved.noting):
-                    return forward(*a, **kw)
-            finally:  # also at torch's early stop, an exception once every tensor is saved again
-                saved.check()
-        given[0] = (a, kw)
-        frame = forward_regions(saved_tensor_hooks())[-1]
-        own(frame, region)
-        out = forward(*a, **kw)
-        rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 1
-        if region not in parameter_shapes:  # after its first forward, which makes a lazy layer's parameters
-            parameter_shapes[region] = _parameter_shapes(region)
-        record_saved(region, _saved_bytes(frame, parameter_shapes[region], rows))
-        return out
+        if given[0] is None:
+            given[0] = (a, kw)
+        return forward(*a, **kw)
 
-    out = checkpoint(run, *[leaves[i] for i in tensors], use_reentrant=False, preserve_rng_state=True)
+    inputs = [leaves[i] for i in tensors]
+    frame = RegionFrame(run, inputs)
+    own(frame, region)
+    out = frame.forward(run, inputs)
+    if region not in parameter_shapes:  # after its first forward, which makes a lazy layer's parameters
+        parameter_shapes[region] = _parameter_shapes(region)
+    rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 1
+    record_saved(region, _saved_bytes(frame, parameter_shapes[region], rows))
     (after, after_spec), given[0] = flatten(given[0]), False
     if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
             a is not b for i, (a, b) in enumerate(zip(after, leaves)) if i not in tensors):
@@ -113,52 +105,6 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
                                  f"forward of {type(region_modules(region)[0]).__name__} changed its arguments in "
                                  "place: its recomputation would not be exact")
     return out
-
-
-class _SavedVersions:
-    """Autograd's check that a tensor saved for the backward was not changed in place since, for the tensors a
-    region's recomputation saves. A checkpointed region saves placeholders, and its recomputation saves the tensors
-    again, with no check: a forward that changes a saved tensor in place (which autograd refuses) does so again in
-    the recomputation, and the backward would read the changed tensor. So the recomputation notes each tensor it
-    saves with its version, and refuses at its end (or at torch's early stop) if one has changed since."""
-
-    def __init__(self) -> None:
-        self.saved: list[tuple[Tensor, int]] = []  # held by the recomputation anyway, until the backward reads them
-
-    def noting(self, pack: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
-        append = self.saved.append
-
-        @functools.wraps(pack)  # still the recomputation's hook to whoever looks (`in_recomputation`)
-        def note(t: Tensor) -> Any:
-            append((t, t._version))
-            return pack(t)
-        return note
-
-    def check(self) -> None:
-        saved = self.saved[:]
-        self.saved.clear()
-        for t, version in saved:
-            if t._version != version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: a tensor of shape {tuple(t.shape)} saved inside a region of the recompute schedule "
-                    f"is at version {t._version}; expected version {version} instead (the region's forward changes "
-                    "it in place after an op saved it, which whole-batch torch refuses too). Nothing was changed. "
-                    "Change a copy (.clone()) instead")
-
-
-@contextmanager
-def _top_hooks(pack: Callable[..., Any]) -> Iterator[None]:
-    """The thread's top saved-tensor hooks (a recomputation's) for the block, their pack hook wrapped: `pack(hook)`."""
-    hooks = torch._C._autograd
-    top_pack, top_unpack = hooks._top_saved_tensors_default_hooks(False)
-    hooks._pop_saved_tensors_default_hooks()
-    hooks._push_saved_tensors_default_hooks(pack(top_pack), top_unpack)
-    try:
-        yield
-    finally:
-        hooks._pop_saved_tensors_default_hooks()
-        hooks._push_saved_tensors_default_hooks(top_pack, top_unpack)
 
 
 RegionCall = Callable[["Region", Callable[..., Any], tuple, dict], Any]  # (region, its forward, args, kwargs)

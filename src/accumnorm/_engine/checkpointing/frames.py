@@ -1,9 +1,11 @@
-"""Where a point of a forward stands against `torch.utils.checkpoint(..., use_reentrant=False)` regions.
+"""Where a point of a forward stands against checkpointed regions: the user's `torch.utils.checkpoint(...,
+use_reentrant=False)` regions and the recompute schedule's own (`recomputation`).
 
-torch's checkpoint keeps a `_CheckpointFrame` per region: the region's forward runs under saved-tensor hooks whose
-pack function holds the frame, and its recomputation, in the backward, runs under hooks of its own. The thread's
-stack of saved-tensor hooks at a point therefore says whether the point is inside a region's forward
-(`in_region`), inside a recomputation (`in_recomputation`), and in which regions' frames (`forward_regions`).
+Either keeps a frame per region call (torch's `_CheckpointFrame`, or a `RegionFrame`): the region's forward runs
+under saved-tensor hooks whose pack function holds the frame, and its recomputation, in the backward, runs under
+hooks of its own. The thread's stack of saved-tensor hooks at a point therefore says whether the point is inside a
+region's forward (`in_region`), inside a recomputation (`in_recomputation`), and in which regions' frames
+(`forward_regions`). Both kinds of frame have the `recompute_fn` the step wraps (`recorded`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..memory.budget import Meter
+from .recomputation import is_recomputation_hook, region_frame
 
 __all__ = ["RegionStateChanged", "forward_regions", "in_recomputation", "in_region", "in_segment", "keeping_nothing"]
 
@@ -23,13 +26,14 @@ _RECOMPUTE_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
 
 def in_region(hooks: tuple[tuple[Any, Any], ...]) -> bool:
     """Whether a point with these saved-tensor hooks is inside the forward of a checkpointed region."""
-    return any(_is_forward_hook(pack) for pack, _ in hooks)
+    return any(region_frame(pack) is not None or _is_forward_hook(pack) for pack, _ in hooks)
 
 
 def in_recomputation(hooks: tuple[tuple[Any, Any], ...]) -> bool:
     """Whether a point with these saved-tensor hooks is inside a checkpointed region's recomputation (which runs in
     the backward, under the recomputation's hooks rather than the forward's)."""
-    return any(getattr(inspect.unwrap(pack), "__qualname__", "") == _RECOMPUTE_HOOK for pack, _ in hooks)
+    return any(is_recomputation_hook(pack) or getattr(inspect.unwrap(pack), "__qualname__", "") == _RECOMPUTE_HOOK
+               for pack, _ in hooks)
 
 
 def _is_forward_hook(pack: Any) -> bool:
@@ -38,10 +42,14 @@ def _is_forward_hook(pack: Any) -> bool:
 
 
 def forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
-    """The `_CheckpointFrame`s of the checkpointed regions whose forward encloses this point (whose hooks are
-    `hooks`), outermost first."""
-    frames = []
+    """The frames of the checkpointed regions whose forward encloses this point (whose hooks are `hooks`),
+    outermost first."""
+    frames: list[Any] = []
     for pack, _ in hooks:
+        own = region_frame(pack)
+        if own is not None:
+            frames.append(own)
+            continue
         if not _is_forward_hook(pack):
             continue
         fn = inspect.unwrap(pack)

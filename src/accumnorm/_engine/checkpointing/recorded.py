@@ -7,13 +7,13 @@ batch's statistics, and in the recomputation, which runs in the backward, outsid
 TorchFunctionMode (torch does not carry modes into the backward), where torch's BatchNorm would
 normalize the micro-batch alone and update the running statistics again.
 
-torch's checkpoint keeps a `_CheckpointFrame` per region (`frames`), whose recomputation calls the frame's
-`recompute_fn`. `RecordedRegions` records,
-in the forward, the BatchNorm calls each region makes, in order, with a way to give each one's output
-again; and wraps the frame's `recompute_fn` so that its recomputation runs under the step's
-TorchFunctionMode, where the i-th BatchNorm call gets the i-th recorded output (and no running
-statistic moves). A region with an InstanceNorm call that tracks running statistics recomputes under it
-too, for the same reason. The wrapper lives on the frame, which lives as long as the step's graph.
+torch's checkpoint keeps a `_CheckpointFrame` per region call, and the recompute schedule's own regions a
+`recomputation.RegionFrame` (`frames`); the recomputation of either calls the frame's `recompute_fn`.
+`RecordedRegions` records, in the forward, the BatchNorm calls each region makes, in order, with a way to give each
+one's output again; and wraps the frame's `recompute_fn` so that its recomputation runs under the step's
+TorchFunctionMode, where the i-th BatchNorm call gets the i-th recorded output (and no running statistic moves). A
+region with an InstanceNorm call that tracks running statistics recomputes under it too, for the same reason. The
+wrapper lives on the frame, which lives as long as the step's graph.
 """
 from __future__ import annotations
 

@@ -1,14 +1,14 @@
 """The recompute schedule: layerwise, with the model's forward cut into checkpointed regions.
 
-Layerwise keeps every micro-batch's graph until the one backward: the saved tensors of the whole batch.
-Here, for the length of the step, chosen modules ("regions", `checkpointing.regions`) run their forward in
-torch's checkpoint (`checkpointing.checkpointed`), which keeps only the region's inputs and recomputes the rest
-when the backward reaches it. `checkpointing.recorded` makes each recomputation exact (the forward's whole-batch
-BatchNorm outputs again, no running-statistics update), and `bn.pieces` keeps each BatchNorm input in its
-region's place. The step then holds the regions' inputs of the whole batch, what runs outside regions, and,
-during the backward, one region's recomputed tensors for all K micro-batches at once (a met BatchNorm call's
-backward needs every piece); it runs the regions' forwards twice, but for the costliest convolutions, whose
-outputs the regions keep instead (`checkpointing.kept`: few bytes for much work).
+Layerwise keeps every micro-batch's graph until the one backward: the saved tensors of the whole batch. Here, for
+the length of the step, chosen modules ("regions", `checkpointing.regions`) run their forward checkpointed
+(`checkpointing.checkpointed`, in frames of `checkpointing.recomputation`), which keeps only the region's inputs and
+recomputes the rest when the backward reaches it. `checkpointing.recorded` makes each recomputation exact (the
+forward's whole-batch BatchNorm outputs again, no running-statistics update), and `bn.pieces` keeps each BatchNorm
+input in its region's place. The step then holds the regions' inputs of the whole batch, what runs outside regions,
+and, during the backward, one region's recomputed tensors for all K micro-batches at once (a met BatchNorm call's
+backward needs every piece); it runs the regions' forwards twice, but for the costliest convolutions, whose outputs
+the regions keep instead (`checkpointing.kept`: few bytes for much work).
 
 A step whose forward changed a region's state is refused before its backward (`RegionStateChanged`), so that the
 step can start over under layerwise.

@@ -1,0 +1,213 @@
+"""The recompute schedule's own checkpoint: one call of a region, whose saved tensors a recomputation gives back.
+
+What `torch.utils.checkpoint(..., use_reentrant=False)` does for one region call, for the regions the schedule
+makes itself (the user's own checkpoints stay torch's):
+
+- in the forward, the region's function runs under saved-tensor hooks that keep, for each tensor it saves, only
+  its place and its metadata (shape, dtype, device);
+- the frame keeps the region's inputs, packed by the hooks below its own (the step's host store or meter, where
+  there is one), the random state the forward began with, and the modes it ran in (`threadstate.Modes`: grad
+  mode, autocast, the process's flags; and a `torch.device` context);
+- in the backward, the first unpack of a graph task runs the function again (`recompute_fn`, which the step may
+  wrap: `recorded`) with those, under a hook that keeps what it saves, in order; each unpack takes its tensor
+  and lets it go.
+
+It refuses what torch's refuses, with torch's `CheckpointError`: a recomputation that saves more or fewer tensors,
+or tensors of other metadata. It also refuses an input changed in place since the forward, and a tensor changed
+in place after the recomputation saved it, as autograd refuses for the tensors it keeps itself.
+
+Why not torch's: its frame is general (several device types, selective checkpointing, early stop, debug logs),
+and each call walks its arguments with `tree_map` twice, makes a holder and a weak reference per saved tensor, a
+dict of metadata per saved tensor, and a garbage cycle. On a net of small regions that is most of the
+recomputation's time (`docs/cost.md`). The recomputation runs to the function's end (torch's stops once the last
+tensor is saved again): a region's tail after its last saved tensor is one op or none.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
+from torch.utils.checkpoint import CheckpointError
+
+from ..safety import untraced
+from ..safety.threadstate import Modes
+
+__all__ = ["RegionFrame", "is_recomputation_hook", "region_frame"]
+
+_autograd = torch._C._autograd
+_push, _pop, _top = (_autograd._push_saved_tensors_default_hooks, _autograd._pop_saved_tensors_default_hooks,
+                     _autograd._top_saved_tensors_default_hooks)
+_graph_task = torch._C._current_graph_task_id
+
+
+class RegionFrame:
+    """One call of a region: its inputs, what its forward saved, and its recomputation in the backward.
+
+    `recompute_fn(*inputs)` runs the region's function again as the forward ran it; the step may replace it with a
+    wrapper (`recorded.RecordedRegions`). `metadata`: (shape, dtype, device) of each tensor the forward saved.
+    """
+
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor]) -> None:
+        self.metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        self.recompute_fn = functools.partial(_rerun, fn, _random_state(inputs), Modes.current(), _device_context())
+        below = _top(False)  # the step's store or meter: the inputs are tensors the step keeps for its backward
+        if below is None:
+            self._inputs = [(None, t, t._version, t.requires_grad) for t in inputs]
+        else:
+            self._inputs = [(below[1], below[0](t), t._version, t.requires_grad) for t in inputs]
+        self._recomputed: dict[int, list[Any]] = {}  # graph task -> the saved tensors again, each until unpacked
+        self._recomputing = False
+
+    def forward(self, fn: Callable[..., Any], inputs: Sequence[Tensor]) -> Any:
+        """`fn(*inputs)`, its saved tensors left to the recomputation."""
+        _push(self.pack, self.unpack)
+        try:
+            return fn(*inputs)
+        finally:
+            _pop()
+
+    def pack(self, t: Tensor) -> int:
+        metadata = self.metadata
+        metadata.append((t.shape, t.dtype, t.device))
+        return len(metadata) - 1
+
+    def unpack(self, index: int) -> Tensor:
+        task = _graph_task()
+        saved = self._recomputed.get(task)
+        if saved is None:
+            saved = untraced.call(_recompute)(self)
+            if task != -1:  # outside a backward (a saved tensor read by hand) each read recomputes, as torch's does
+                self._recomputed[task] = saved
+        entry, saved[index] = saved[index], None
+        if entry is None:
+            raise CheckpointError("torch.utils.checkpoint: Unpack is being triggered for a tensor that was already "
+                                  "unpacked once, in a region of accumnorm's recompute schedule: a backward must read "
+                                  "each saved tensor once")
+        t, version = entry
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: a "
+                f"tensor of shape {tuple(t.shape)} saved inside a region of the recompute schedule is at version "
+                f"{t._version}; expected version {version} instead (the region's forward changes it in place after "
+                "an op saved it, which whole-batch torch refuses too). Nothing was changed. Change a copy (.clone()) "
+                "instead")
+        saved[-1] -= 1
+        if saved[-1] == 0:
+            self._recomputed.pop(task, None)
+        return t
+
+    def inputs(self) -> list[Tensor]:
+        """The region's inputs as the forward had them: a hook below may give back a tensor that has let go of its
+        place in the graph (a copy from the host store), which then requires grad as the forward's did."""
+        inputs = []
+        for unpack, packed, version, requires_grad in self._inputs:
+            t = packed if unpack is None else unpack(packed)
+            if t.requires_grad != requires_grad:
+                t = t.detach().requires_grad_(requires_grad)
+            elif t is packed and t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: an input of shape {tuple(t.shape)} of a region of the recompute schedule is at "
+                    f"version {t._version}; expected version {version} instead (changed in place after the region's "
+                    "forward, which whole-batch torch refuses too)")
+            inputs.append(t)
+        return inputs
+
+
+class _Recomputing:
+    """A recomputation's pack hook: each tensor it saves, with its version, in order (`is_recomputation_hook`)."""
+
+    def __init__(self) -> None:
+        self.saved: list[Any] = []
+
+    def __call__(self, t: Tensor) -> Tensor:
+        t = t.detach() if t.requires_grad else t  # the recomputation's own graph is never back-propagated
+        self.saved.append((t, t._version))
+        return t
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+@untraced.untraced
+def _recompute(frame: RegionFrame) -> list[Any]:
+    """The tensors `frame`'s forward saved, made again, with a count of those not yet unpacked at the end."""
+    if frame._recomputing:
+        raise RuntimeError("bn='exact': a region of the recompute schedule read, in its recomputation, a tensor its "
+                           "own forward saved (torch's selective checkpointing inside the region?), which only the "
+                           "recomputation being run can give; use schedule='layerwise' for this model")
+    hook = _Recomputing()
+    inputs = frame.inputs()
+    frame._recomputing = True
+    _push(hook, _identity)
+    try:
+        with torch.enable_grad():
+            frame.recompute_fn(*inputs)
+    finally:
+        _pop()
+        frame._recomputing = False
+    saved, metadata = hook.saved, frame.metadata
+    if len(saved) != len(metadata):
+        raise CheckpointError("torch.utils.checkpoint: A different number of tensors was saved during the original "
+                              f"forward and recomputation (forward: {len(metadata)}, recomputation: {len(saved)}), in "
+                              "a region of accumnorm's recompute schedule: its function must do the same each time")
+    different = [(i, m, (t.shape, t.dtype, t.device)) for i, ((t, _), m) in enumerate(zip(saved, metadata))
+                 if (t.shape, t.dtype, t.device) != m]
+    if different:
+        raise CheckpointError(
+            "torch.utils.checkpoint: Recomputed values for the following tensors have different metadata than during "
+            "the forward pass, in a region of accumnorm's recompute schedule: "
+            + "; ".join(f"tensor at position {i}: saved {m}, recomputed {r}" for i, m, r in different[:5]))
+    saved.append(len(metadata))
+    return saved
+
+
+def _random_state(inputs: Sequence[Tensor]) -> tuple[Tensor, list[tuple[torch.device, Tensor]]]:
+    """The CPU generator's state, and that of each other device the inputs are on (torch's checkpoint's choice)."""
+    devices = {t.device for t in inputs if t.device.type not in ("cpu", "meta")}
+    return torch.get_rng_state(), [(d, getattr(torch, d.type).get_rng_state(d)) for d in devices]
+
+
+def _device_context() -> torch.device | None:
+    """The device of a `torch.device` context the forward runs in, if any (re-entered afresh: torch's choice)."""
+    return next((mode.device for mode in reversed(_get_current_function_mode_stack())
+                 if isinstance(mode, DeviceContext)), None)
+
+
+def _rerun(fn: Callable[..., Any], random_state: tuple[Tensor, list[tuple[torch.device, Tensor]]], modes: Modes,
+           device: torch.device | None, *inputs: Tensor) -> Any:
+    """`fn(*inputs)` with the random state and modes its forward began with; the thread's own put back after."""
+    cpu, devices = random_state
+    before = torch.get_rng_state(), [(d, getattr(torch, d.type).get_rng_state(d)) for d, _ in devices]
+    torch.set_rng_state(cpu)
+    for d, state in devices:
+        getattr(torch, d.type).set_rng_state(state, d)
+    try:
+        with modes.entered(Modes.current()), (nullcontext() if device is None else DeviceContext(device)):
+            return fn(*inputs)
+    finally:
+        torch.set_rng_state(before[0])
+        for d, state in before[1]:
+            getattr(torch, d.type).set_rng_state(state, d)
+
+
+def region_frame(pack: Any) -> RegionFrame | None:
+    """The frame whose forward's pack hook `pack` is, if it is one."""
+    frame = getattr(pack, "__self__", None)
+    return frame if type(frame) is RegionFrame else None
+
+
+def is_recomputation_hook(pack: Any) -> bool:
+    """Whether `pack` is a recomputation's pack hook (perhaps wrapped with `functools.wraps`)."""
+    while not isinstance(pack, _Recomputing):
+        pack = getattr(pack, "__wrapped__", None)
+        if pack is None:
+            return False
+    return True
