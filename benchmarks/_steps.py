@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _models import MODELS, Batch, Case
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 Method = Callable[[nn.Module, Batch, int, Case], None]
@@ -70,7 +71,20 @@ def checkpointed_step(model: nn.Module, batch: Batch, micro: int, case: Case) ->
 
 
 def _torch_checkpoint(region: object, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+    """A region's call in torch's checkpoint, its tensors passed in and its arguments' structure built afresh around
+    them, as recompute's region call does: a list the caller appends to after the call (DenseNet's features) is
+    recomputed as the forward saw it."""
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def run(*inputs: torch.Tensor) -> Any:
+        filled = list(leaves)
+        for i, t in zip(tensors, inputs):
+            filled[i] = t
+        a, kw = tree_unflatten(filled, spec)
+        return forward(*a, **kw)
+
+    return checkpoint(run, *[leaves[i] for i in tensors], use_reentrant=False, preserve_rng_state=True)
 
 
 class NoFloor(ValueError):
