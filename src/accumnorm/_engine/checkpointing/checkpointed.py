@@ -80,9 +80,11 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
     tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
     versions = [leaves[i]._version for i in tensors]
     given: list[Any] = [None]  # the arguments the forward (not a recomputation) was given
+    # The arguments but their tensors, which the frame keeps through the hooks below it (the host store's copy).
+    others = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
 
     def run(*inputs: Tensor) -> Any:
-        filled = list(leaves)
+        filled = list(others)
         for i, t in zip(tensors, inputs):
             filled[i] = t
         a, kw = tree_unflatten(filled, spec)

@@ -1,0 +1,101 @@
+"""The recompute schedule's own checkpoint (`checkpointing.recomputation`) on its own, against torch's checkpoint and
+against no checkpoint at all: the same gradients, what it keeps, and a second backward."""
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
+
+from accumnorm._engine.checkpointing.checkpointed import checkpointed
+
+
+def region(width: int, p: float) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(p), nn.Linear(width, width), nn.GELU())
+
+
+def gradients(model: nn.Module, x: torch.Tensor, how: str, seed: int) -> list[torch.Tensor]:
+    """The input's and parameters' gradients of a sum over the model's output, its first child run `how`."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    torch.manual_seed(seed)
+    if how == "frame":
+        with checkpointed([model[0]], lambda frame, r: None):
+            out = model(x * 1)
+    elif how == "torch":
+        out = model[1:](checkpoint(model[0], x * 1, use_reentrant=False))
+    else:
+        out = model(x * 1)
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return [x.grad] + [p.grad for p in model.parameters()]
+
+
+@settings(max_examples=25, deadline=None)
+@given(width=st.integers(1, 6), rows=st.integers(1, 5), p=st.sampled_from([0.0, 0.5]), seed=st.integers(0, 2**16))
+def test_a_region_in_its_frame_gives_the_gradients_of_torchs_checkpoint_and_of_no_checkpoint(width, rows, p, seed):
+    """Dropout in the region: the recomputation draws the forward's mask again (the random state it began with)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(region(width, p), nn.Linear(width, 3)).double()
+    x = torch.randn(rows, width, dtype=torch.float64)
+    expected = gradients(model, x, "none", seed)
+    for how in ("frame", "torch"):
+        for got, want in zip(gradients(model, x, how, seed), expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_region_runs_again_in_the_autocast_its_forward_ran_in():
+    model = nn.Sequential(region(8, 0.0), nn.Linear(8, 3))
+    x = torch.randn(4, 8)
+
+    def grads(how: str) -> list[torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return gradients(model, x, how, 0)
+
+    for got, want in zip(grads("frame"), grads("none")):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_regions_frame_holds_its_input_only_through_the_hooks_below_it():
+    """With a hook below that packs a copy (as the host store does), the frame keeps the copy: the input itself goes
+    once nothing else holds it, and the backward is the same."""
+    model = nn.Sequential(region(4, 0.0), nn.Linear(4, 3)).double()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    expected = gradients(copy.deepcopy(model), x, "none", 0)
+    with checkpointed([model[0]], lambda frame, r: None), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        h = x * 1
+        held = weakref.ref(h)
+        out = model(h)
+    del h
+    assert held() is None
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    for got, want in zip([x.grad] + [p.grad for p in model.parameters()], expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_second_backward_through_a_region_recomputes_it_again():
+    model = nn.Sequential(region(4, 0.0), nn.Linear(4, 3)).double()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    with checkpointed([model[0]], lambda frame, r: None):
+        out = model(x).square().sum()
+    first = torch.autograd.grad(out, x, retain_graph=True)[0]
+    second = torch.autograd.grad(out, x)[0]
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    torch.testing.assert_close(first, torch.autograd.grad(model(x).square().sum(), x)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_an_input_changed_in_place_after_the_region_is_refused_at_the_backward():
+    model = nn.Sequential(region(4, 0.0), nn.Linear(4, 3)).double()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    with checkpointed([model[0]], lambda frame, r: None):
+        h = x * 1
+        out = model(h).sum()
+    with torch.no_grad():
+        h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: an input"):
+        out.backward()
