@@ -25,7 +25,7 @@ tensor is saved again): a region's tail after its last saved tensor is one op or
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -55,7 +55,9 @@ class RegionFrame:
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor]) -> None:
         self.metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
-        self.recompute_fn = functools.partial(_rerun, fn, _random_state(inputs), Modes.current(), _device_context())
+        # the random state of the CPU and of each other device the inputs are on (torch's checkpoint's choice)
+        devices = {t.device for t in inputs if t.device.type not in ("cpu", "meta")}
+        self.recompute_fn = functools.partial(_rerun, fn, _random_state(devices), Modes.current(), _device_context())
         below = _top(False)  # the step's store or meter: the inputs are tensors the step keeps for its backward
         if below is None:
             self._inputs = [(None, t, t._version, t.requires_grad) for t in inputs]
@@ -169,10 +171,19 @@ def _recompute(frame: RegionFrame) -> list[Any]:
     return saved
 
 
-def _random_state(inputs: Sequence[Tensor]) -> tuple[Tensor, list[tuple[torch.device, Tensor]]]:
-    """The CPU generator's state, and that of each other device the inputs are on (torch's checkpoint's choice)."""
-    devices = {t.device for t in inputs if t.device.type not in ("cpu", "meta")}
+RandomState = tuple[Tensor, list[tuple[torch.device, Tensor]]]  # the CPU generator's, and some devices' generators'
+
+
+def _random_state(devices: Iterable[torch.device]) -> RandomState:
+    """The CPU generator's state, and that of each of `devices`."""
     return torch.get_rng_state(), [(d, getattr(torch, d.type).get_rng_state(d)) for d in devices]
+
+
+def _set_random_state(state: RandomState) -> None:
+    cpu, devices = state
+    torch.set_rng_state(cpu)
+    for d, device_state in devices:
+        getattr(torch, d.type).set_rng_state(device_state, d)
 
 
 def _device_context() -> torch.device | None:
@@ -181,21 +192,16 @@ def _device_context() -> torch.device | None:
                  if isinstance(mode, DeviceContext)), None)
 
 
-def _rerun(fn: Callable[..., Any], random_state: tuple[Tensor, list[tuple[torch.device, Tensor]]], modes: Modes,
-           device: torch.device | None, *inputs: Tensor) -> Any:
+def _rerun(fn: Callable[..., Any], random_state: RandomState, modes: Modes, device: torch.device | None,
+           *inputs: Tensor) -> Any:
     """`fn(*inputs)` with the random state and modes its forward began with; the thread's own put back after."""
-    cpu, devices = random_state
-    before = torch.get_rng_state(), [(d, getattr(torch, d.type).get_rng_state(d)) for d, _ in devices]
-    torch.set_rng_state(cpu)
-    for d, state in devices:
-        getattr(torch, d.type).set_rng_state(state, d)
+    before = _random_state(d for d, _ in random_state[1])
+    _set_random_state(random_state)
     try:
         with modes.entered(Modes.current()), (nullcontext() if device is None else DeviceContext(device)):
             return fn(*inputs)
     finally:
-        torch.set_rng_state(before[0])
-        for d, state in before[1]:
-            getattr(torch, d.type).set_rng_state(state, d)
+        _set_random_state(before)
 
 
 def region_frame(pack: Any) -> RegionFrame | None:
@@ -205,9 +211,5 @@ def region_frame(pack: Any) -> RegionFrame | None:
 
 
 def is_recomputation_hook(pack: Any) -> bool:
-    """Whether `pack` is a recomputation's pack hook (perhaps wrapped with `functools.wraps`)."""
-    while not isinstance(pack, _Recomputing):
-        pack = getattr(pack, "__wrapped__", None)
-        if pack is None:
-            return False
-    return True
+    """Whether `pack` is a recomputation's pack hook."""
+    return isinstance(pack, _Recomputing)
