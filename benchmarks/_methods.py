@@ -13,9 +13,10 @@ measured in the same run, at the same K (`relative_budget`, `resolved`): the ben
 then runs "auto" with that budget in bytes, and shows which schedule ran. A budget in bytes is a plain setting.
 
 A schedule's floor (`FLOORS`) is what its time cannot go below, timed beside it: for layerwise the lockstep and
-nothing else, for recompute plain accumulation with its regions checkpointed (_steps.py). A floor takes the settings
-it names and no others: "recompute:c=4" has no floor until one that takes `c` is registered; the floor of a
-schedule with settings is named with them ("floor:c=4").
+nothing else, for recompute plain accumulation with its regions checkpointed, for segments the same with all of
+its regions (at keep_every=1 only: _steps.py). A floor takes the settings it names and no others: "recompute:c=4"
+has no floor until one that takes `c` is registered; the floor of a schedule with settings is named with them
+("floor:c=4").
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from _steps import (
     compiled,
     lockstep_step,
     plain_step,
+    segments_floor,
     whole_step,
 )
 
@@ -160,7 +162,8 @@ class Floor(NamedTuple):
 
 
 FLOORS = {"layerwise": Floor("lockstep", lambda: lockstep_step),
-          "recompute": Floor("checkpointed", lambda: checkpointed_step)}
+          "recompute": Floor("checkpointed", lambda: checkpointed_step),
+          "segments": Floor("checkpointed_all", segments_floor, frozenset({"keep_every"}))}
 _BY_FLOOR_NAME = {f.name: f for f in FLOORS.values()}
 # Method names that are no exact schedule's.
 RESERVED = ("plain", "whole", *_BY_FLOOR_NAME)

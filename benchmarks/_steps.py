@@ -1,9 +1,10 @@
 """One optimizer step's gradient, made each way bench_backward.py compares, and the models prepared for it.
 
 A method is `step(model, batch, micro, case)`: it accumulates into `.grad` the gradient of `case`'s loss over
-`batch`, `micro` samples at a time. Here: plain accumulation, the usual loop, the whole batch at once, and two
+`batch`, `micro` samples at a time. Here: plain accumulation, the usual loop, the whole batch at once, and three
 floors: beside layerwise, its lockstep with nothing else (`lockstep_step`); beside recompute, plain accumulation
-with recompute's regions checkpointed (`checkpointed_step`). _methods.py names them, with `accumnorm.backward`'s
+with recompute's regions checkpointed (`checkpointed_step`); beside segments, the same with all of its regions
+(`segments_floor`). _methods.py names them, with `accumnorm.backward`'s
 exact schedules and their settings.
 
 With --compile, the same steps run on torch.compile'd copies of the model (`compiled_model`): plain accumulation
@@ -62,11 +63,36 @@ def checkpointed_step(model: nn.Module, batch: Batch, micro: int, case: Case) ->
     `checkpoint(use_reentrant=False)`, and nothing else of accumnorm's: what checkpointing those regions costs by
     itself, the floor under recompute's time. No convolution keeps its output, as recompute's may; and the regions
     are torch's checkpoints, where recompute's are frames of its own (`checkpointing.recomputation`)."""
-    # the schedule's own regions, not a public API
+    _checkpointed(model, batch, micro, case, weigh=True)
+
+
+def segments_floor(keep_every: int | None = None) -> Method:
+    """The floor under segments' time at `keep_every` (None: the schedule's default): plain accumulation with every
+    region the segments schedule uses (`choose_regions(weigh=False)`, the small ones too) each in torch's checkpoint,
+    and nothing else of accumnorm's. Segments recomputes each region one micro-batch at a time, in a pass per
+    BatchNorm call in it and a last one (`checkpointing.region_passes`); a schedule that keeps only the regions'
+    arguments recomputes each region once at least, which is what this costs. At keep_every 1 only: above it,
+    segments recomputes a region's dropped arguments from the region before, which torch's checkpoint, recomputing
+    a region from its own inputs, cannot express; a step at another setting raises `NoFloor`."""
+    from accumnorm._engine.schedules.segments import Segments  # the schedule's default, not a public API
+
+    setting = Segments().keep_every if keep_every is None else keep_every
+
+    def step(model: nn.Module, batch: Batch, micro: int, case: Case) -> None:
+        if setting != 1:
+            raise NoFloor(f"segments at keep_every={setting} recomputes a region's arguments from the region before, "
+                          "which torch's checkpoint cannot: its floor is timed at keep_every=1 only")
+        _checkpointed(model, batch, micro, case, weigh=False)
+    return step
+
+
+def _checkpointed(model: nn.Module, batch: Batch, micro: int, case: Case, weigh: bool) -> None:
+    """Plain accumulation with the step's regions (`choose_regions(model, weigh)`) each in torch's checkpoint."""
+    # the schedules' own regions, not a public API
     from accumnorm._engine.checkpointing.checkpointed import patched
     from accumnorm._engine.checkpointing.regions import choose_regions
 
-    with patched(choose_regions(model), _torch_checkpoint):
+    with patched(choose_regions(model, weigh), _torch_checkpoint):
         plain_step(model, batch, micro, case)
 
 

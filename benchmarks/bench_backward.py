@@ -22,7 +22,12 @@ values read as Python literals, else as text: store=cpu). Each is first asked of
 a small net; one it does not take (a schedule or a setting this accumnorm lacks, a value it refuses) is not run, and
 the header says why ("segments:keep_every=2: not available in this accumnorm" from a version without it). A
 schedule's floor is timed beside it where a floor takes its settings (benchmarks/_methods.py; lockstep and
-checkpointed take none).
+checkpointed take none). Beside segments:
+
+  checkpointed_all  time only: plain accumulation with every region segments uses (the small ones too) each in
+             torch's checkpoint, nothing else of accumnorm's: the floor under segments' own recomputation; "n/a" at
+             keep_every above 1, whose recomputation of a region's arguments from the region before torch's
+             checkpoint cannot express
 
 and with --compile BACKEND, time only, each on its own copy of the model compiled with
 torch.compile(model, backend=BACKEND), in the same rounds as the others:

@@ -1,6 +1,7 @@
 """benchmarks/_steps.py's floors, which bench_backward.py times beside the schedules: the lockstep floor beside
-layerwise (its interleaved forwards and whole-batch BatchNorm, nothing else), and the checkpointed floor beside
-recompute (plain accumulation with the regions recompute would choose each in torch's checkpoint)."""
+layerwise (its interleaved forwards and whole-batch BatchNorm, nothing else), the checkpointed floor beside
+recompute (plain accumulation with the regions recompute would choose each in torch's checkpoint), and beside
+segments the same with all of segments' regions."""
 import copy
 import sys
 from pathlib import Path
@@ -38,6 +39,27 @@ def test_the_checkpointed_floor_is_plain_accumulation_with_its_regions_recompute
     for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
         assert_close(b.grad, a.grad)
     assert checkpointed_saved < plain_saved / 2  # the regions kept their inputs, not what they compute
+
+
+@pytest.mark.parametrize("name", ["study", "tiny_deep"])
+def test_the_segments_floor_is_plain_accumulation_with_every_region_segments_uses_recomputed(name):
+    model, batch = _steps.prepare(name, 16, 8, torch.device("cpu"))
+    plain, floor = copy.deepcopy(model), copy.deepcopy(model)
+    plain_saved = _saved_bytes(_steps.plain_step, plain, batch)
+    floor_saved = _saved_bytes(_steps.segments_floor(keep_every=1), floor, batch)
+    for a, b in zip(plain.parameters(), floor.parameters(), strict=True):
+        assert_close(b.grad, a.grad)
+    assert floor_saved < plain_saved / 2
+    assert all("forward" not in vars(m) for m in floor.modules())  # the regions' own forwards are back
+
+
+@pytest.mark.parametrize("keep_every", [None, 2, 4])  # None: the schedule's default, 2
+def test_the_segments_floor_is_none_above_keep_every_1_and_the_step_changes_nothing(keep_every):
+    model, batch = _steps.prepare("study", 16, 8, torch.device("cpu"))
+    step = _steps.segments_floor() if keep_every is None else _steps.segments_floor(keep_every=keep_every)
+    with pytest.raises(_steps.NoFloor, match=f"keep_every={keep_every or 2} recomputes a region's arguments"):
+        step(model, batch, 4, MODELS["study"])
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("name", ["study", "simclr", "tiny_deep"])  # per micro-batch; whole batch; host-bound
@@ -84,6 +106,8 @@ def test_the_table_times_each_floor_beside_its_schedule():
     assert _methods.timed_methods(["layerwise", "recompute", "passes"]) == [
         "plain", "layerwise", "lockstep", "recompute", "checkpointed", "passes"]
     assert _methods.timed_methods(["recompute", "passes"]) == ["plain", "recompute", "checkpointed", "passes"]
+    assert _methods.timed_methods(["segments:keep_every=1", "segments"]) == [
+        "plain", "segments:keep_every=1", "checkpointed_all:keep_every=1", "segments", "checkpointed_all"]
 
 
 class ConvNet(torch.nn.Module):
