@@ -69,9 +69,9 @@ def checkpointed_step(model: nn.Module, batch: Batch, micro: int, case: Case) ->
 def segments_floor(keep_every: int | None = None) -> Method:
     """The floor under segments' time at `keep_every` (None: the schedule's default): plain accumulation with every
     region the segments schedule uses (`choose_regions(weigh=False)`, the small ones too) each in torch's checkpoint,
-    and nothing else of accumnorm's. Segments recomputes each region one micro-batch at a time, in a pass per
-    BatchNorm call in it and a last one (`checkpointing.region_passes`); a schedule that keeps only the regions'
-    arguments recomputes each region once at least, which is what this costs. At keep_every 1 only: above it,
+    and nothing else of accumnorm's. Segments recomputes each region one micro-batch at a time, in passes around
+    its BatchNorm calls (`checkpointing.region_passes`); a schedule that keeps only the regions' arguments
+    recomputes each region once at least, which is what this costs. At keep_every 1 only: above it,
     segments recomputes a region's dropped arguments from the region before, which torch's checkpoint, recomputing
     a region from its own inputs, cannot express; a step at another setting raises `NoFloor`."""
     from accumnorm._engine.schedules.segments import Segments  # the schedule's default, not a public API
