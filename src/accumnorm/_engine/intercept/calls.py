@@ -21,7 +21,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import CodeType, FrameType
+from types import CodeType
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from ...functional import Moments
 from ..safety import untraced
 from ..safety.graphs import Graphs
 from ..safety.threadstate import Modes
+from .functions import autograd_function_around
 
 __all__ = ["BNCall", "INCall", "NormCalls", "StopPass", "Watch", "batch_statistics_call", "describe", "describe_layer"]
 
@@ -240,7 +241,7 @@ class NormCalls(TorchFunctionMode):
         # `_set_fwd_grad_enabled`); else the frames say whose forward this is.
         if modes.grad and modes.fwd_grad:
             return
-        name = _autograd_function_around(sys._getframe(2), self.stop)
+        name = autograd_function_around(sys._getframe(2), self.stop)
         if name is not None:
             if name == "CheckpointFunction":
                 raise ValueError(
@@ -286,44 +287,3 @@ def _may_be_true(flag: Any) -> bool:
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict[str, Any]:
     return {**_DEFAULTS, **dict(zip(names, args)), **kwargs}
-
-
-_function_forwards: dict[CodeType, bool] = {}  # code object -> whether it is a custom autograd.Function's forward
-
-
-def _autograd_function_around(frame: FrameType | None, stop: CodeType) -> str | None:
-    """The name of the custom autograd.Function whose forward is running below `frame`, if any."""
-    while frame is not None and frame.f_code is not stop:
-        code = frame.f_code
-        if code.co_name == "forward" and _function_forwards.get(code, True):
-            cls = _function_class(frame)
-            _function_forwards[code] = cls is not None
-            if cls is not None:
-                return cls.__name__
-        frame = frame.f_back
-    return None
-
-
-def _function_class(frame: FrameType) -> type | None:
-    """The autograd.Function class of a frame running a method named forward, or None."""
-    code = frame.f_code
-    if code.co_argcount:  # old style, forward(ctx, ...): ctx is the node of the Function being applied
-        ctx = frame.f_locals.get(code.co_varnames[0])
-        if isinstance(ctx, torch.autograd.function.FunctionCtx):
-            return getattr(type(ctx), "_forward_cls", type(ctx))
-    owner = frame.f_globals.get(getattr(code, "co_qualname", "").rpartition(".")[0])  # setup_context style
-    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
-        return owner
-    return _function_with_forward(code)  # one defined inside a function, which no module global names
-
-
-def _function_with_forward(code: CodeType) -> type | None:
-    """The custom autograd.Function class (any that exists now) whose forward runs `code`, or None."""
-    stack = [torch.autograd.Function]
-    while stack:
-        cls = stack.pop()
-        forward = vars(cls).get("forward")
-        if getattr(getattr(forward, "__func__", forward), "__code__", None) is code:
-            return cls
-        stack.extend(cls.__subclasses__())
-    return None
