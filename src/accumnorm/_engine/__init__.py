@@ -5,10 +5,11 @@
 3. `memory`: the memory budget, where saved tensors are kept, and the figures "auto" judges by.
 4. `intercept`: the TorchFunctionMode that finds every batch-statistics norm call; the refusals of what it cannot.
 5. `checkpointing`: BatchNorm inside checkpointed regions, and the recompute schedule's own regions.
-6. `step`: one call as a schedule runs it: the meeting of the micro-batches, the running-statistics ledger, losses.
+6. `step`: one call as a schedule runs it, inside its transaction: the meeting of the micro-batches, the
+   running-statistics ledger, losses.
 7. `schedules`: plain, layerwise, recompute, segments and passes behind one interface; the one module that
    chooses.
-8. This package's modules: `backward` (the public function and the transaction around a step), `args` (its
+8. This package's modules: `backward` (the public function), `args` (its
    arguments, the batch cut into micro-batches) and `lazy_eps` (a warning for `nn.LazyBatchNorm2d(32)`).
 
 One BatchNorm call of the layerwise schedule, top to bottom: `intercept.forwards` (the layer's forward) →

@@ -5,16 +5,11 @@ gradient of the whole batch for every layer but BatchNorm, which normalizes each
 own statistics, and for every loss that is a mean over samples, unlike a contrastive one.
 `backward(..., bn="exact")` gives every batch-norm call the statistics and backward sums of the whole
 batch; `forward_fn` and `batch_loss_fn` take the loss once, over the whole batch's outputs. This module
-checks the arguments, picks a schedule, and makes the call a transaction: on any error, `.grad`, every
+checks the arguments and runs the step as a transaction (`step.lifecycle`): on any error, `.grad`, every
 buffer and the caller's random state are as they were.
 """
 from __future__ import annotations
 
-import gc
-import sys
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -23,27 +18,18 @@ from torch import Tensor
 
 from .._dist import Collectives, unwrap_ddp
 from .args import Batch, BNMode, Schedule, check_args, check_keep_every, check_step_args, split
-from .intercept.forwards import step_forwards
-from .intercept.higher_order import higher_order_ops_in_step, refused_in
 from .lazy_eps import warn_large_eps
 from .memory.budget import check_budget, check_budget_fits_passes, default_budget, model_device
 from .memory.heap import ResidentBound
 from .memory.store import resolve_store, store_for
 from .safety import untraced
-from .safety.interrupts import SigintDeferred
-from .safety.rng import StepRng
-from .safety.shared import WhileStepsRun
-from .safety.threadstate import ThreadState
-from .safety.transaction import Transaction
 from .safety.tree import module_names
 from .schedules.decide import refuse_before_step, run_step
+from .step.lifecycle import run_in_transaction, step_running
 from .step.objective import BatchLoss, BatchLossFn, ForwardFn, LossFn, MicroBatchLoss
-from .step.step import Step, StepCall
+from .step.step import StepCall
 
 __all__ = ["backward"]
-
-# The steps running on this thread: a step inside another (called from its loss_fn or a hook) is refused.
-_RUNNING = threading.local()
 
 
 def backward(
@@ -165,7 +151,7 @@ def backward(
         loss = accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4)
         optimizer.step()
     """
-    if getattr(_RUNNING, "step", False):
+    if step_running():
         raise ValueError(
             "accumnorm.backward was called inside another accumnorm.backward step (from its loss_fn, forward_fn, "
             "batch_loss_fn or a hook): steps cannot be nested. Run the inner step before or after the outer one, or "
@@ -200,124 +186,15 @@ def backward(
     store_hooks = store_for(store_device, device)
     budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(device)
     bound = ResidentBound(budget, device)  # from the resident memory before the step
+    warn_large_eps(model, names)
     # Nothing but the return after it: the step's own ending (this thread's flag, the recursion limit) is inside it,
     # before the last moment a Ctrl-C can still undo the step.
-    return _transaction(StepCall(model, micro_batches, objective, collectives, exact, bound), names,
-                        lambda new_step, start_over: run_step(new_step, schedule, store_hooks, start_over, sum(sizes),
-                                                              budget, _settings(keep_every=keep_every)))
+    settings = _settings(keep_every=keep_every)
+    return run_in_transaction(StepCall(model, micro_batches, objective, collectives, exact, bound), names,
+                              lambda new_step, start_over: run_step(new_step, schedule, store_hooks, start_over,
+                                                                    sum(sizes), budget, settings))
 
 
 def _settings(**settings: Any) -> dict[str, Any]:
     """The schedule's settings given (those not None)."""
     return {name: value for name, value in settings.items() if value is not None}
-
-
-# The frames a step puts between the caller and the model's forward (the driver, a coroutine's start, each
-# BatchNorm call's way to the schedule): the recursion limit is that much higher while steps run, so that a model
-# as deeply nested as whole-batch torch can run runs in a step too.
-_STEP_FRAMES = 64
-_ROOM_FOR_THE_STEPS_FRAMES = WhileStepsRun(sys.getrecursionlimit, sys.setrecursionlimit,
-                                           lambda limit: limit + _STEP_FRAMES)
-
-
-def _set_collector(enabled: bool) -> None:
-    gc.enable() if enabled else gc.disable()
-
-
-# Python's cyclic garbage collector is off while a step's forwards and backward run, on any thread. The step's
-# objects (its records of each BatchNorm and region call, the coroutines' frames) live from the forward to the
-# backward and go by reference count as it ends; collections during it would promote them to the oldest generation,
-# and so bring on full collections, each a walk over every object in the process. Training loops that count their
-# milliseconds do the same for the whole run (torchtitan's `gc.disable()`).
-_COLLECTOR_OFF = WhileStepsRun(gc.isenabled, _set_collector, lambda enabled: False)
-
-
-@contextmanager
-def _exact_forwards(modules: list[nn.Module]) -> Iterator[None]:
-    """For an exact step's length: the step forwards of torch's layers, and higher-order ops that dynamo traces where
-    the step sees their norms, or refuses (`higher_order`)."""
-    with step_forwards(modules), higher_order_ops_in_step():
-        yield
-
-
-def _transaction(call: StepCall, names: dict[nn.Module, str],
-                 run: Callable[[Callable[[], Step], Callable[[Step], None]], Step]) -> Tensor:
-    """Run the step (`run(new_step, start_over)`); commit its gradients and running statistics, or, whatever ends it
-    early, undo everything."""
-    # Copies only, until the try: an interrupt before it changes nothing.
-    caller = ThreadState.capture()
-    transaction = Transaction(call.model, names)
-    warn_large_eps(call.model, transaction.modules)
-    rng = StepRng(len(call.micro_batches), transaction.cuda_devices())
-    interrupts = SigintDeferred()
-    steps: list[Step] = []
-    room = _ROOM_FOR_THE_STEPS_FRAMES.held()
-    ended = False  # the step committed and ended, and SIGINT is the caller's again
-    try:
-        interrupts.start()
-        room.__enter__()
-        _RUNNING.step = True
-        transaction.begin()
-        rng.start()
-
-        def new_step() -> Step:
-            steps.append(Step(call, transaction, rng, interrupts))
-            return steps[-1]
-
-        def start_over(step: Step) -> None:
-            """Undo a schedule's partial run for another to start the step again: gradients, buffers, and every
-            micro-batch's random stream back at its start (the next schedule draws what it would have drawn alone)."""
-            transaction.rollback()
-            transaction.begin()
-            step.rng.rewind()
-
-        # The collector is back before the commit: a collection it then runs (its callbacks, __del__ methods) runs
-        # while the step can still be undone.
-        with _COLLECTOR_OFF.held(), _exact_forwards(transaction.modules) if call.exact else nullcontext():
-            step = run(new_step, start_over)
-        loss = step.losses.result()
-        call.collectives.sum_grads_(transaction.params)
-        if call.exact:
-            transaction.refuse_parameters_replaced()
-            step.ledger.check_every_call_seen(step.names)
-            step.ledger.update_running_stats()
-        for m in transaction.modules:
-            if hasattr(type(m), "accumnorm_step_end"):
-                m.accumnorm_step_end()
-        transaction.commit()
-        rng.close(failed=False)
-        _end(steps, room, caller)
-        del step  # the step's objects go now, while a Ctrl-C is deferred: weakref callbacks as they go would drop it
-        # The last call before the return: a Ctrl-C that came during the step, or comes until SIGINT's handler is
-        # the caller's again, is raised here, and undoes the step; one after it reaches the caller's code once the
-        # step has returned.
-        interrupts.close()
-        ended = True
-    except BaseException as e:
-        transaction.rollback()
-        rng.close(failed=True)
-        refused = refused_in(e)
-        if refused is not None:  # dynamo's error, around the refusal it was told
-            raise refused from e
-        raise
-    finally:
-        if not ended:
-            try:
-                _end(steps, room, caller)
-            finally:
-                interrupts.close()
-    return loss
-
-
-def _end(steps: list[Step], room: AbstractContextManager[None], caller: ThreadState) -> None:
-    """What ends a step, committed or not: its regions let go, this thread's flag and recursion limit back, and the
-    caller's thread as it was (grad mode, autocast, modes, hooks). Each part is done once, even if interrupted."""
-    try:
-        for made in steps:
-            made.regions.clear()
-        steps.clear()
-        if getattr(_RUNNING, "step", False):
-            _RUNNING.step = False
-            room.__exit__(None, None, None)
-    finally:
-        caller.apply(ThreadState.capture())
