@@ -11,6 +11,8 @@ import torch
 from torch.testing import assert_close
 from torch.utils.checkpoint import checkpoint
 
+from accumnorm._engine.schedules.segments import Segments
+
 BENCHMARKS = Path(__file__).parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import _methods  # noqa: E402
@@ -53,11 +55,12 @@ def test_the_segments_floor_is_plain_accumulation_with_every_region_segments_use
     assert all("forward" not in vars(m) for m in floor.modules())  # the regions' own forwards are back
 
 
-@pytest.mark.parametrize("keep_every", [None, 2, 4])  # None: the schedule's default, 2
+@pytest.mark.parametrize("keep_every", [None, 2, 4])  # None: the schedule's default
 def test_the_segments_floor_is_none_above_keep_every_1_and_the_step_changes_nothing(keep_every):
     model, batch = _steps.prepare("study", 16, 8, torch.device("cpu"))
     step = _steps.segments_floor() if keep_every is None else _steps.segments_floor(keep_every=keep_every)
-    with pytest.raises(_steps.NoFloor, match=f"keep_every={keep_every or 2} recomputes a region's arguments"):
+    setting = Segments().keep_every if keep_every is None else keep_every
+    with pytest.raises(_steps.NoFloor, match=f"keep_every={setting} recomputes a region's arguments"):
         step(model, batch, 4, MODELS["study"])
     assert all(p.grad is None for p in model.parameters())
 

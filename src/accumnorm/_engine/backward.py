@@ -187,9 +187,9 @@ def backward(
     budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(device)
     bound = ResidentBound(budget, device)  # from the resident memory before the step
     warn_large_eps(model, names)
+    settings = _settings(keep_every=keep_every)
     # Nothing but the return after it: the step's own ending (this thread's flag, the recursion limit) is inside it,
     # before the last moment a Ctrl-C can still undo the step.
-    settings = _settings(keep_every=keep_every)
     return run_in_transaction(StepCall(model, micro_batches, objective, collectives, exact, bound), names,
                               lambda new_step, start_over: run_step(new_step, schedule, store_hooks, start_over,
                                                                     sum(sizes), budget, settings))

@@ -66,7 +66,7 @@ def _exact_forwards(modules: list[nn.Module]) -> Iterator[None]:
 
 
 def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
-                 run: Callable[[Callable[[], Step], Callable[[Step], None]], Step]) -> Tensor:
+                       run: Callable[[Callable[[], Step], Callable[[Step], None]], Step]) -> Tensor:
     """Run the step (`run(new_step, start_over)`); commit its gradients and running statistics, or, whatever ends it
     early, undo everything."""
     # Copies only, until the try: an interrupt before it changes nothing.
