@@ -116,3 +116,35 @@ def test_a_store_on_the_tensors_device_keeps_no_graph_alive():
     del y
     gc.collect()
     assert saved() is None
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("failure in the backward")
+
+
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "segments", "passes", "auto", "micro"])
+def test_a_model_whose_step_failed_in_its_backward_is_freed_without_another_backward(schedule):
+    """torch runs a CPU backward from a ready queue of the calling thread's own: the nodes that were ready when one
+    raised (here the other micro-batches' branches) stay queued, holding their graph and the model, until that
+    thread's next backward. The step lets go of them as it fails."""
+    torch.manual_seed(0)
+    model = _Net(checkpointed=False)
+    x, y = torch.randn(6, 6), torch.randint(0, 4, (6,))
+
+    def loss_fn(m, b):
+        return F.cross_entropy(_FailsInBackward.apply(m(b[0])), b[1])
+
+    how = dict(bn="micro") if schedule == "micro" else dict(schedule=schedule)
+    with pytest.raises(RuntimeError, match="failure in the backward"):
+        accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, **how)
+    assert all(p.grad is None for p in model.parameters())
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None

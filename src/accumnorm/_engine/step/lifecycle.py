@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 
@@ -94,6 +95,9 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
             transaction.rollback()
             transaction.begin()
             step.rng.rewind()
+            step.regions.clear()
+            steps.remove(step)
+            _drop_queued_backward()
 
         # The collector is back before the commit: a collection it then runs (its callbacks, __del__ methods) runs
         # while the step can still be undone.
@@ -120,6 +124,7 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
     except BaseException as e:
         transaction.rollback()
         rng.close(failed=True)
+        _drop_queued_backward()
         refused = refused_in(e)
         if refused is not None:  # dynamo's error, around the refusal it was told
             raise refused from e
@@ -131,6 +136,21 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
             finally:
                 interrupts.close()
     return loss
+
+
+def _drop_queued_backward() -> None:
+    """Let go of what a backward that raised left queued. torch's engine runs a CPU backward on the calling thread,
+    from a ready queue of the thread's own: the nodes that were ready when one raised (the other micro-batches'
+    branches, or the rest of a region's) stay queued, holding their part of the graph and through it the model,
+    until the thread's next backward pops and drops them. A backward of one node, here, is that next one. Should it
+    fail (a mode of the caller's that refuses it), they wait for that next backward, as in torch: the error that ended
+    the step is the one raised."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.zeros((), requires_grad=True)
+            torch.autograd.grad(x * 1.0, x)
+    except Exception:  # torch's own behaviour, a little later: the error that ended the step is the one raised
+        pass
 
 
 def _end(steps: list[Step], room: AbstractContextManager[None], caller: ThreadState) -> None:
