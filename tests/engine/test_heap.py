@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import accumnorm
-from accumnorm._engine.memory import budget as budget_module
 from accumnorm._engine.memory import heap
-from helpers import ce_loss, compare, exact_vs_whole_batch, quiet_next_step, rel_err, whole_batch
+from helpers import exact_vs_whole_batch
 from models import data, resnet
 
 
@@ -174,99 +173,3 @@ def test_a_failed_segments_step_leaves_no_file_of_its_bound_open(monkeypatch, wh
     with pytest.raises(RuntimeError, match="failure in"):
         accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule="segments", memory_budget=1 << 30)
     assert opened and all(bound.fd is None for bound in opened)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
-def test_under_auto_a_trim_that_leaves_the_step_past_its_budget_stops_the_schedule(monkeypatch):
-    """What is still resident after a trim, the step holds: past the budget, the schedule "auto" tries cannot fit,
-    whatever its tensors' meter counted."""
-    process = _Resident(step=1, after_trim=240)
-    bound = _bound(monkeypatch, process, budget=200)  # 1
-    meter = budget_module.Meter(150, None, 8)
-    bound.start()
-    process.size = 170
-    with pytest.raises(budget_module.OverBudget), bound.metered(meter):
-        bound.check()  # 171: 170 above, past 160; trimmed to 240, which reads 241: 240 above, past 200
-    bound.close()
-    assert process.trims == 1 and meter.resident == 240
-    assert bound.meter is None
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
-@pytest.mark.parametrize("meter", [None, budget_module.Meter(None, None, 8)], ids=["asked-for", "process-group"])
-def test_a_schedule_asked_for_or_agreed_by_ranks_only_trims_past_its_budget(monkeypatch, meter):
-    """A schedule asked for, or run to its end by every rank of a process group (a meter without a limit), is not
-    "auto"'s to stop: the check trims, and the step goes on."""
-    process = _Resident(step=1, after_trim=240)
-    bound = _bound(monkeypatch, process, budget=200)
-    bound.start()
-    process.size = 170
-    with bound.metered(meter):
-        bound.check()
-        bound.check()
-    bound.close()
-    assert process.trims == 2
-    assert meter is None or meter.resident == 0
-
-
-def _holding(budget: int, where: str):
-    """A process whose resident size stays twice `budget` above the step's start, trims or not, read from the first
-    reading inside a schedule's run (`where`: "forward", or "backward": inside autograd's backward only)."""
-
-    def resident(bound):
-        inside = bound.fd is not None and (where == "forward" or torch._C._current_graph_task_id() != -1)
-        return 2 * budget if inside else 0
-
-    return resident
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
-def test_auto_leaves_each_schedule_whose_step_holds_more_than_the_budget_for_passes(monkeypatch):
-    """Each lockstep schedule's tensors fit the budget, but the process's resident memory says the step holds more:
-    "auto" stops each at its first check, says why, and runs passes (which no meter stops); the step is exact, and
-    the next goes to passes on the figures measured."""
-    budget = 1 << 30
-    monkeypatch.setattr(heap, "_TRIM", lambda pad: 1)
-    monkeypatch.setattr(heap, "_PAGE", 4096)
-    monkeypatch.setattr(heap.ResidentBound, "_resident", _holding(budget, "forward"))
-    torch.manual_seed(0)
-    model, batch = resnet().double(), data((1, 12, 12), 8, torch.float64)
-    ref = copy.deepcopy(model)
-    expected = whole_batch(ref, batch)
-    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
-        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
-    choice = accumnorm.last_schedule(model)
-    assert choice.schedule == "passes", choice
-    for name in ("layerwise", "recompute", "segments(keep_every=1)", "segments(keep_every=2)",
-                 "segments(keep_every=4)"):
-        assert f"{name} held 2.0 GiB of resident memory" in choice.reason, (name, choice.reason)
-    assert rel_err(loss, expected) < 1e-12
-    compare(ref, model, 1e-9)
-    loss, expected = quiet_next_step(model, ref, batch, micro_batch_size=2, memory_budget=budget)
-    choice = accumnorm.last_schedule(model)
-    assert choice.schedule == "passes" and "resident check" not in choice.reason, choice
-    for name in ("layerwise", "recompute", "segments(keep_every=1)", "segments(keep_every=2)",
-                 "segments(keep_every=4)"):  # each figure a floor: its step was stopped
-        assert f"{name} would keep more than 2.0 GiB (measured at an earlier step)" in choice.reason, choice.reason
-    assert rel_err(loss, expected) < 1e-12
-    compare(ref, model, 1e-9)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
-def test_a_schedule_stopped_in_its_backward_is_undone_before_the_next_runs(monkeypatch):
-    """Recompute and segments read the resident size before each recomputation in their backward: stopped there,
-    with part of the gradients made, the step starts over in the next schedule and ends exact."""
-    budget = 1 << 30
-    monkeypatch.setattr(heap, "_TRIM", lambda pad: 1)
-    monkeypatch.setattr(heap, "_PAGE", 4096)
-    monkeypatch.setattr(heap.ResidentBound, "_resident", _holding(budget, "backward"))
-    torch.manual_seed(0)
-    model, batch = resnet().double(), data((1, 12, 12), 8, torch.float64)
-    key = budget_module.signature(tuple(t[:2] for t in batch))
-    budget_module.figures(model)[(key, "layerwise")] = budget / 4  # layerwise, checked in its forward alone: skipped
-    ref = copy.deepcopy(model)
-    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
-        exact_vs_whole_batch(ref, model, batch, 2, 1e-9, memory_budget=budget)
-    choice = accumnorm.last_schedule(model)
-    assert choice.schedule == "passes", choice
-    assert "recompute held 2.0 GiB" in choice.reason and "segments(keep_every=4) held 2.0 GiB" in choice.reason

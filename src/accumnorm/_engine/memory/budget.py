@@ -9,9 +9,7 @@ BatchNorm call, every micro-batch's piece of the call's input and output at once
 keep: the meter counts them for that moment (`Meter.beside`), and a figure is the most it counted at once.
 Layerwise runs when its need fits the budget, recompute when its does, then segments at each of its settings,
 passes otherwise. A step with no figure yet runs metered: the meter stops it (`OverBudget`) as soon as what it
-keeps would pass the budget, before it does, and the step starts over in the next schedule; so does the resident
-bound on the CPU, where what the step holds with the heap's free pages handed back is past the budget (`held`,
-`memory.heap`: Python's objects and the heap's pages, which the meter does not count). The figure of a
+keeps would pass the budget, before it does, and the step starts over in the next schedule. The figure of a
 stopped step is only a floor (`stopped_figures`): a later step whose budget it fits runs that schedule metered.
 Recompute's figure is what its forward keeps (the regions' inputs, what runs outside them, the kept convolution
 outputs) and, reserved before its backward starts, the recomputation of its largest region for every micro-batch at
@@ -187,7 +185,6 @@ class Meter:
         self.limit, self.store, self.samples = limit, store, samples
         self.bytes = 0
         self.peak = 0  # the most counted at one moment: what is kept, and what that moment held beside it (`beside`)
-        self.resident = 0  # the resident growth past the budget that stopped the step, if one did (`held`)
         self._seen: set[int] = set()
 
     @property
@@ -224,14 +221,6 @@ class Meter:
         now = self.bytes + sum(n for key, n in storages.items() if key not in self._seen)
         self.peak = max(self.peak, now)
         if self.limit is not None and now > self.limit:
-            raise OverBudget
-
-    def held(self, grown: int) -> None:
-        """The step's resident memory is still `grown` bytes above its start with the C heap's free pages handed back
-        (`memory.heap.ResidentBound`), past the budget: memory it holds, tensors or not. Raise `OverBudget` where the
-        meter stops at a budget."""
-        if self.limit is not None:
-            self.resident = grown
             raise OverBudget
 
     def _check(self) -> None:

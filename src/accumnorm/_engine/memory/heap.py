@@ -16,10 +16,7 @@ far past the live tensors (passes' too, one micro-batch's blocks after another's
 size at each micro-batch's turn (passes: after each micro-batch's pass) and before each recomputation in the
 backward, and trims only once the step has added more than four fifths of its budget (the
 rest is room for what a turn adds before the next check): each trim hands pages back that the next requests fault
-in again, a cost paid only where the budget needs it. What is still resident after a trim, the step holds:
-tensors, Python's objects and the heap's pages around them. Where that is past the budget while "auto" tries a
-schedule (`metered`), the schedule does not fit, whatever its tensors alone would need: the check stops it
-(`Meter.held`), as its meter stops one whose tensors pass the budget.
+in again, a cost paid only where the budget needs it.
 
 Why not torch's way: on CUDA the caching allocator frees its cached blocks and retries before it runs out, and
 the budget counts allocated bytes there (`torch.cuda.max_memory_allocated`), so nothing is done on CUDA. Where
@@ -30,12 +27,9 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
-
-from .budget import Meter
 
 __all__ = ["ResidentBound", "release_free_memory"]
 
@@ -76,32 +70,18 @@ class ResidentBound:
         self.fd: int | None = None
         self.base = self._resident() if self.active else 0
         self.trigger = int(_TRIGGER * budget) if self.active else 0
-        self.meter: Meter | None = None  # "auto"'s meter of the schedule it tries (`metered`)
 
     def start(self) -> None:
         """Let `check` read the resident size, until `close`."""
         if self.active and self.fd is None:
             self.fd = os.open("/proc/self/statm", os.O_RDONLY)
 
-    @contextmanager
-    def metered(self, meter: Meter | None) -> Iterator[None]:
-        """While "auto" tries a schedule under `meter`: a check whose trim leaves the step past its budget tells the
-        meter, which stops the schedule (`Meter.held`)."""
-        self.meter = meter
-        try:
-            yield
-        finally:
-            self.meter = None
-
     def check(self) -> None:
-        """Trim if the resident growth since the bound was made has passed the trigger; under a meter (`metered`),
-        raise its OverBudget if the growth that remains is past the budget."""
+        """Trim if the resident growth since the bound was made has passed the trigger."""
         if self.fd is None or self._resident() - self.base <= self.trigger:
             return
         _TRIM(0)
         grown = self._resident() - self.base
-        if self.meter is not None and grown > self.budget:
-            self.meter.held(grown)
         self.trigger = max(int(_TRIGGER * self.budget), grown + max(0, self.budget - grown) // 2)
 
     def close(self) -> None:

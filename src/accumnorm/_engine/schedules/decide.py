@@ -5,8 +5,7 @@ layerwise, with a warning, where a region's forward changed its state (`RegionSt
 `_attempt` alone). Under "auto", a whole-batch loss over a model without batch statistics runs one micro-batch
 at a time (GradCache's scheme, exact there); otherwise the schedules of the table (`registry`) are judged in
 order by this model's figure for batches of this shape, when an earlier step measured one, before they run;
-without a figure one runs metered, and stops once what it keeps would pass the budget (`memory.budget`), or
-once the resident memory its step holds does, read with the C heap's free pages handed back (`memory.heap`). On
+without a figure one runs metered, and stops once what it keeps would pass the budget (`memory.budget`). On
 CUDA, an out-of-memory error sends the step to the next schedule as well; the table's unmetered schedule
 (passes) is the last resort. Under a process group every rank runs the same schedule (its met calls are
 collectives): the ranks agree on one before the step, from the figures of earlier steps, and it runs to the
@@ -140,19 +139,18 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
         if schedule.name in refused:
             continue
         name = schedule.label
-        need = _known_need(known, key, name, grads, samples, budget, reasons, floor=(key, name) in stopped)
+        need = _known_need(known, key, name, grads, samples, budget, reasons)
         if need is not None and budget is not None and need > budget:
             continue
         # A figure a meter stopped is only a floor: where it fits, the schedule runs metered again.
         metered = need is None or schedule.remeasured or (key, name) in stopped
         meter = Meter(None if budget is None else budget - grads, store, samples) if metered else None
         try:
-            with step.bound.metered(meter):
-                why = _attempt(schedule, step, meter or store)
+            why = _attempt(schedule, step, meter or store)
         except OverBudget:
-            known[(key, name)] = max(meter.need, meter.resident - grads) / samples
+            known[(key, name)] = meter.need / samples
             stopped.add((key, name))
-            reasons.append(_stopped(name, meter, budget))
+            reasons.append(f"{name} would keep more than {format_bytes(budget)} (this step's meter stopped it first)")
         except torch.OutOfMemoryError as e:
             reasons.append(f"{name} ran out of memory ({e})")
         else:
@@ -171,23 +169,14 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
     return _run_last_resort(step, reasons, budget)
 
 
-def _stopped(name: str, meter: Meter, budget: int) -> str:
-    """Why a metered schedule was stopped: its tensors, or the resident memory its step held (`memory.heap`)."""
-    if meter.resident:
-        return (f"{name} held {format_bytes(meter.resident)} of resident memory with the C heap's free pages handed "
-                f"back, more than {format_bytes(budget)} (this step's resident check stopped it)")
-    return f"{name} would keep more than {format_bytes(budget)} (this step's meter stopped it first)"
-
-
 def _known_need(known: dict, key: Any, name: str, grads: int, samples: int, budget: int | None,
-                reasons: list[str], floor: bool = False) -> int | None:
-    """What `name` would keep, by this model's figure from an earlier step (None: no figure; `floor`: the figure of
-    a stopped step, which it keeps at least); one over `budget` is said in `reasons`."""
+                reasons: list[str]) -> int | None:
+    """What `name` would keep, by this model's figure from an earlier step (None: no figure); one over `budget` is
+    said in `reasons`."""
     per_sample = known.get((key, name))
     need = None if per_sample is None else grads + int(per_sample * samples)
     if need is not None and budget is not None and need > budget:
-        about = "more than" if floor else "about"
-        reasons.append(f"{name} would keep {about} {format_bytes(need)} (measured at an earlier step)")
+        reasons.append(f"{name} would keep about {format_bytes(need)} (measured at an earlier step)")
     return need
 
 
