@@ -104,7 +104,9 @@ def backward(
             gradients that exist before the step (``zero_grad(set_to_none=False)``) are not part of it. A
             positive int. The process's peak rises above it by the working memory of the forward and the
             backward and what the allocator keeps of what it freed; on the CPU, the step hands the heap's free
-            pages back once it has added four fifths of it (docs/schedules.md).
+            pages back once it has added four fifths of it (docs/schedules.md). A process's first step also
+            makes what the process keeps for its life (torch's code paged in, kernels for the model's shapes),
+            past the budget: leave room for it.
             Default: None, a tenth less than the free memory of the model's device (on the CPU, the available
             memory the kernel reports).
         keep_every: the segments schedule's setting (with schedule="segments" only). Where regions form a chain,
