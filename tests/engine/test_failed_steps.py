@@ -1,6 +1,6 @@
 """Failed steps leave nothing alive: 300 failing steps under every schedule, errors before, during and after the
 forward, with and without a checkpointed region, in both forms of the loss, keep the number of live tensors and
-models flat, and a model dropped after a failed step is freed."""
+models flat, and a model dropped after a failed step is freed, one that failed in its backward too."""
 from __future__ import annotations
 
 import contextvars

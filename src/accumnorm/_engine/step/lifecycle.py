@@ -91,7 +91,8 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
 
         def start_over(step: Step) -> None:
             """Undo a schedule's partial run for another to start the step again: gradients, buffers, and every
-            micro-batch's random stream back at its start (the next schedule draws what it would have drawn alone)."""
+            micro-batch's random stream back at its start (the next schedule draws what it would have drawn alone);
+            the run's regions, its `Step` and what its backward left queued let go of before the next begins."""
             transaction.rollback()
             transaction.begin()
             step.rng.rewind()
@@ -149,7 +150,7 @@ def _drop_queued_backward() -> None:
         with torch.inference_mode(False), torch.enable_grad():
             x = torch.zeros((), requires_grad=True)
             torch.autograd.grad(x * 1.0, x)
-    except Exception:  # torch's own behaviour, a little later: the error that ended the step is the one raised
+    except Exception:
         pass
 
 
@@ -160,7 +161,7 @@ def _end(steps: list[Step], room: AbstractContextManager[None], caller: ThreadSt
         for made in steps:
             made.regions.clear()
         steps.clear()
-        if getattr(_RUNNING, "step", False):
+        if step_running():
             _RUNNING.step = False
             room.__exit__(None, None, None)
     finally:
