@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
-from accumnorm._engine.checkpointing import kept
+from accumnorm._engine.checkpointing import kept, recomputation
 from accumnorm._engine.checkpointing import regions as regions_module
 from accumnorm._engine.checkpointing.regions import Run, choose_regions
 from helpers import (
@@ -86,6 +86,26 @@ def test_recompute_draws_the_dropout_masks_layerwise_draws():
     compare(a, b, 1e-9)
     with pytest.raises(AssertionError):  # another seed, other masks: the comparison above can fail
         compare(a, c, 1e-3)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_a_micro_batchs_regions_keep_one_random_state_until_it_draws(p, monkeypatch):
+    """Each region call keeps the CPU generator's state for its recomputation (5 KB): a micro-batch's calls between
+    which nothing random ran keep one tensor for it, not one each; with dropout in every block, each its own."""
+    states = []
+    init = recomputation.RegionFrame.__init__
+
+    def recording(self, *args):
+        init(self, *args)
+        states.append(self.recompute_fn.args[1][0])  # (fn, random state, modes, device): the CPU generator's
+
+    monkeypatch.setattr(recomputation.RegionFrame, "__init__", recording)
+    model, batch = net(p=p), data((1, 8, 8), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    assert len(states) == 4 * 8  # 4 micro-batches, 8 region calls each
+    values = {tuple(t.tolist()) for t in states}
+    assert len({id(t) for t in states}) == len(values)  # one tensor for each state, shared only where equal
+    assert len(values) == (4 if p == 0 else 4 * 7)  # with dropout, every call after a block has a state of its own
 
 
 def test_hooks_inside_a_region_run_again_in_its_recomputation():

@@ -53,11 +53,13 @@ class RegionFrame:
     wrapper (`recorded.RecordedRegions`). `metadata`: (shape, dtype, device) of each tensor the forward saved.
     """
 
-    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor]) -> None:
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor], cpu_state: Tensor | None = None) -> None:
         self.metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
-        # the random state of the CPU and of each other device the inputs are on (torch's checkpoint's choice)
+        # the random state of the CPU (`cpu_state`, else read now) and of each other device the inputs are on (torch's
+        # checkpoint's choice)
         devices = {t.device for t in inputs if t.device.type not in ("cpu", "meta")}
-        self.recompute_fn = functools.partial(_rerun, fn, _random_state(devices), Modes.current(), _device_context())
+        random_state = _random_state(devices, cpu_state)
+        self.recompute_fn = functools.partial(_rerun, fn, random_state, Modes.current(), _device_context())
         below = _top(False)  # the step's store or meter: the inputs are tensors the step keeps for its backward
         if below is None:
             self._inputs = [(None, t, t._version, t.requires_grad) for t in inputs]
@@ -174,9 +176,10 @@ def _recompute(frame: RegionFrame) -> list[Any]:
 RandomState = tuple[Tensor, list[tuple[torch.device, Tensor]]]  # the CPU generator's, and some devices' generators'
 
 
-def _random_state(devices: Iterable[torch.device]) -> RandomState:
-    """The CPU generator's state, and that of each of `devices`."""
-    return torch.get_rng_state(), [(d, getattr(torch, d.type).get_rng_state(d)) for d in devices]
+def _random_state(devices: Iterable[torch.device], cpu: Tensor | None = None) -> RandomState:
+    """The CPU generator's state (`cpu`, else read now), and that of each of `devices`."""
+    cpu = torch.get_rng_state() if cpu is None else cpu
+    return cpu, [(d, getattr(torch, d.type).get_rng_state(d)) for d in devices]
 
 
 def _set_random_state(state: RandomState) -> None:

@@ -90,9 +90,6 @@ class SegmentedRegions:
         # Each micro-batch's outputs of the last region node it left, as (the node's passes, weak references to the
         # outputs, their versions then): a region called on one of them, unchanged, can recompute it from there.
         self.last: list[tuple[RegionPasses, list[weakref.ref], list[int]] | None] = [None] * len(step.micro_batches)
-        # Each micro-batch's random-stream states at its last region call: the same tensors again while no random
-        # number was drawn since (`_rng_states`)
-        self.rng: list[list[Tensor]] = [[] for _ in step.micro_batches]
         self.node: RegionPasses | None = None  # the last region node made
         self.lockstep: Any = None  # the lockstep that runs the forwards (`attach`)
         self.state: RegionState | None = None
@@ -112,7 +109,6 @@ class SegmentedRegions:
         modules' attributes `state` copied, whose patched forwards hold this too."""
         self.lockstep = self.refusal = self.node = self.state = None
         self.last = [None] * len(self.last)
-        self.rng = [[] for _ in self.rng]
 
     def changed(self) -> str | None:
         """What a forward changed in the regions' modules, which their recomputation would not see; None if nothing."""
@@ -140,7 +136,7 @@ class SegmentedRegions:
         leaves, spec = flatten((args, kwargs))
         tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         versions = [leaves[i]._version for i in tensors]
-        entry = Entry(region, forward, leaves, spec, tensors, self._rng_states(k), Modes.current(),
+        entry = Entry(region, forward, leaves, spec, tensors, self.step.rng.shared_states(), Modes.current(),
                       sources=self._sources(k, leaves, tensors))
         self.open[k] = entry
         hooks, kept = keeping_nothing()
@@ -199,17 +195,6 @@ class SegmentedRegions:
                     if e.leaves[i] is not None:
                         self.meter.count(e.leaves[i])
         return outputs
-
-    def _rng_states(self, k: int) -> list[Tensor]:
-        """Micro-batch k's random-stream states at a region call, one per generator. A state unchanged since its last
-        region call is that call's tensor again: between regions that draw no random number, no new tensor stays
-        until the backward, a small block among the large ones of the heap."""
-        last, states = self.rng[k], []
-        for i, g in enumerate(self.step.rng.generators):
-            state = g.get_state()
-            states.append(last[i] if i < len(last) and torch.equal(last[i], state) else state)
-        self.rng[k] = states
-        return states
 
     def _sources(self, k: int, leaves: list[Any], tensors: list[int]) -> dict[int, tuple[RegionPasses, int]]:
         """The arguments of micro-batch k's region call that are, unchanged, outputs of the last region node it

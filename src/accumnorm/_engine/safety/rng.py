@@ -61,6 +61,7 @@ class StepRng:
         self.seeds: list[int] = []
         self.states: list[list[Tensor | None]] = [[None] * len(self.generators) for _ in range(num_micro_batches)]
         self.slots = [(i, g, g.device) for i, g in enumerate(self.generators)]  # each generator's index and device
+        self.shared: list[list[Tensor]] = [[] for _ in range(num_micro_batches)]  # `shared_states`' last, by turn
 
     def start(self) -> None:
         """The one draw from the caller's stream (the DataLoader draws its base seed the same way), and the seeds."""
@@ -95,9 +96,25 @@ class StepRng:
                     g.set_state(_OUTSIDE.pop(device))
                     del _HOLDERS[device]
 
+    def shared_states(self) -> list[Tensor]:
+        """Each generator's state now, for a region call to begin its recomputation with. In a micro-batch's turn, a
+        state unchanged since that micro-batch's last read is the same tensor again: its region calls between which
+        nothing random ran keep one copy, not one each (the CPU generator's state is 5 KB, per region call and
+        micro-batch)."""
+        states = [g.get_state() for g in self.generators]
+        holder = _HOLDERS.get(self.slots[0][2])
+        if holder is None or holder[0] is not self:
+            return states
+        last = self.shared[holder[1]]
+        if last:
+            states = [old if torch.equal(old, new) else new for old, new in zip(last, states)]
+        self.shared[holder[1]] = states
+        return states
+
     def rewind(self) -> None:
         """Every micro-batch's stream back to its start, for a schedule that starts the step over."""
         self.states = [[None] * len(self.generators) for _ in self.states]
+        self.shared = [[] for _ in self.shared]
 
     def end_turns(self) -> None:
         """End whichever of this step's turns is open: the process's stream back in the generators."""
@@ -110,6 +127,7 @@ class StepRng:
         """End the step's streams: a turn still open (a schedule's generator of turns that an error left suspended,
         whose `finally` runs only when it is collected) ends now; on failure, the caller's stream as before."""
         self.end_turns()
+        self.shared = [[] for _ in self.shared]
         if not failed:
             return
         for g, before, after in zip(self.generators, self.before, self.after):

@@ -46,7 +46,7 @@ class Recompute(Schedule):
             step.regions.own(frame)
             state.called(region)
 
-        with checkpointed(regions, called):
+        with checkpointed(regions, called, lambda: step.rng.shared_states()[0]):
             state = RegionState(regions)  # with the regions' forwards patched in, as the forwards will find them
 
             def before_backward() -> None:
