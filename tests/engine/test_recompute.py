@@ -108,6 +108,24 @@ def test_a_micro_batchs_regions_keep_one_random_state_until_it_draws(p, monkeypa
     assert len(values) == (4 if p == 0 else 4 * 7)  # with dropout, every call after a block has a state of its own
 
 
+def test_the_frames_of_a_step_share_one_metadata_tuple_per_kind_of_saved_tensor(monkeypatch):
+    """Each region call notes the shape, dtype and device of every tensor it saves, for its recomputation's check:
+    the same note is one tuple for the whole step, not one per region call and micro-batch."""
+    metadata = []
+    init = recomputation.RegionFrame.__init__
+
+    def recording(self, *args):
+        init(self, *args)
+        metadata.append(self.metadata)  # filled in as the forward saves
+
+    monkeypatch.setattr(recomputation.RegionFrame, "__init__", recording)
+    model, batch = net(), data((1, 8, 8), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    notes = [m for frame in metadata for m in frame]
+    assert len(notes) > 4 * 8  # 4 micro-batches, 8 region calls each, several saved tensors each
+    assert len({id(m) for m in notes}) == len(set(notes))
+
+
 def test_hooks_inside_a_region_run_again_in_its_recomputation():
     """As the docstring's warning says: a region's modules run in the forward and again in the backward."""
     model, batch = net(), data((1, 8, 8), 8, torch.float64)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -89,12 +88,13 @@ class Kept:
         self.micro_batches = micro_batches
         # each candidate's output bytes per sample, summed over its calls in every micro-batch of this step
         self.sizes: dict[nn.Module, float] = dict.fromkeys(self.candidates, 0.0)
-        self.frames: dict[int, tuple[weakref.ref, deque[_KeptCall]]] = {}
+        # each owned frame's kept calls, in order (lists: one per region call and micro-batch, most left empty)
+        self.frames: dict[int, tuple[weakref.ref, list[_KeptCall]]] = {}
 
     def own(self, frame: Any) -> None:
         """Keep convolution outputs in this region frame (one of the schedule's own regions, not the user's)."""
         key = id(frame)
-        self.frames[key] = (weakref.ref(frame, untraced.forgetting(self.frames, key)), deque())
+        self.frames[key] = (weakref.ref(frame, untraced.forgetting(self.frames, key)), [])
 
     def owns(self, frame: Any) -> bool:
         entry = self.frames.get(id(frame))
@@ -136,7 +136,7 @@ class Kept:
         """A convolution of a region's recomputation: the forward's output again where it can be (module doc)."""
         entry = self.frames.get(id(frame))
         calls = entry[1] if entry is not None and entry[0]() is frame else None
-        call = calls.popleft() if calls else None
+        call = calls.pop(0) if calls else None
         if call is None or call.module is not module or call.shape != input.shape:
             if calls:
                 calls.clear()  # out of step with the forward: the rest of the region runs as it is

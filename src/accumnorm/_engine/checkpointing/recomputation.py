@@ -45,16 +45,22 @@ _push, _pop, _top = (_autograd._push_saved_tensors_default_hooks, _autograd._pop
                      _autograd._top_saved_tensors_default_hooks)
 _graph_task = torch._C._current_graph_task_id
 
+Metadata = tuple[torch.Size, torch.dtype, torch.device]  # a saved tensor's, which its recomputation must match
+
 
 class RegionFrame:
     """One call of a region: its inputs, what its forward saved, and its recomputation in the backward.
 
     `recompute_fn(*inputs)` runs the region's function again as the forward ran it; the step may replace it with a
-    wrapper (`recorded.RecordedRegions`). `metadata`: (shape, dtype, device) of each tensor the forward saved.
+    wrapper (`recorded.RecordedRegions`). `metadata`: (shape, dtype, device) of each tensor the forward saved, each
+    the one tuple `interned` holds for it (shared by the frames of a step, which save tensors of few shapes, over
+    many region calls and micro-batches).
     """
 
-    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor], cpu_state: Tensor | None = None) -> None:
-        self.metadata: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor], cpu_state: Tensor | None = None,
+                 interned: dict[Metadata, Metadata] | None = None) -> None:
+        self.metadata: list[Metadata] = []
+        self._interned = {} if interned is None else interned
         # the random state of the CPU (`cpu_state`, else read now) and of each other device the inputs are on (torch's
         # checkpoint's choice)
         devices = {t.device for t in inputs if t.device.type not in ("cpu", "meta")}
@@ -77,8 +83,8 @@ class RegionFrame:
             _pop()
 
     def pack(self, t: Tensor) -> int:
-        metadata = self.metadata
-        metadata.append((t.shape, t.dtype, t.device))
+        metadata, key = self.metadata, (t.shape, t.dtype, t.device)
+        metadata.append(self._interned.setdefault(key, key))
         return len(metadata) - 1
 
     def unpack(self, index: int) -> Tensor:
