@@ -57,12 +57,12 @@ class RegionFrame:
     many region calls and micro-batches).
     """
 
-    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor], cpu_state: Tensor | None = None,
-                 interned: dict[Metadata, Metadata] | None = None) -> None:
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor], cpu_state: Tensor,
+                 interned: dict[Metadata, Metadata]) -> None:
         self.metadata: list[Metadata] = []
-        self._interned = {} if interned is None else interned
-        # the random state of the CPU (`cpu_state`, else read now) and of each other device the inputs are on (torch's
-        # checkpoint's choice)
+        self._interned = interned
+        # the random state of the CPU (`cpu_state`) and of each other device the inputs are on (torch's checkpoint's
+        # choice)
         devices = {t.device for t in inputs if t.device.type not in ("cpu", "meta")}
         random_state = _random_state(devices, cpu_state)
         self.recompute_fn = functools.partial(_rerun, fn, random_state, Modes.current(), _device_context())
