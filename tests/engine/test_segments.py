@@ -6,6 +6,7 @@ settings and what only the setting does."""
 from __future__ import annotations
 
 import copy
+import tracemalloc
 import warnings
 
 import pytest
@@ -265,6 +266,74 @@ def test_auto_counts_a_met_calls_input_and_output_of_the_whole_batch(monkeypatch
         loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=need - wide // 2)
     choice = accumnorm.last_schedule(model)
     assert choice.schedule == "passes" and "segments(keep_every=1) would keep more than" in choice.reason, choice
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def _deep_tiny() -> nn.Module:
+    """24 conv-BatchNorm blocks of 2 channels on 4x4 inputs: each region call's record outweighs its tensors."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Conv2d(1 if i == 0 else 2, 2, 3, padding=1, bias=False), nn.BatchNorm2d(2), nn.Tanh())
+              for i in range(24)]
+    return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(32, 10)).double()
+
+
+def _auto_need(model: nn.Module, batch, schedule: str, monkeypatch) -> tuple[int, int]:
+    """"auto"'s figure for `schedule` (recompute, or segments at keep_every=4) on a copy of `model`, 16 micro-batches
+    of 1, and the bytes of Python objects the step holds at the start of its backward (tracemalloc)."""
+    held = []
+    with monkeypatch.context() as m:
+        reserve = budget_module.Meter.reserve_bytes
+
+        def spy(self, n):  # called once, before the backward
+            held.append(tracemalloc.get_traced_memory()[0])
+            reserve(self, n)
+
+        m.setattr(budget_module.Meter, "reserve_bytes", spy)
+        m.setattr(SCHEDULES["layerwise"], "choices", lambda: [])
+        if schedule == "segments":
+            m.setattr(SCHEDULES["recompute"], "choices", lambda: [])
+            m.setattr(segments_module, "_AUTO_KEEP_EVERY", (4,))
+        trial = copy.deepcopy(model)
+        tracemalloc.start()
+        try:
+            start = tracemalloc.get_traced_memory()[0]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                accumnorm.backward(trial, batch, ce_loss, micro_batch_size=1, memory_budget=2**40)
+        finally:
+            tracemalloc.stop()
+    choice = accumnorm.last_schedule(trial)
+    assert choice.schedule == schedule, choice
+    (at_backward,) = held
+    return choice.need, at_backward - start
+
+
+@pytest.mark.parametrize("schedule", ["recompute", "segments"])
+def test_auto_counts_what_each_region_call_keeps_beside_its_tensors(schedule, monkeypatch):
+    """recompute and segments keep a record of every region call of every micro-batch (its arguments, random state,
+    modes, the BatchNorm calls it made). On a deep net of tiny tensors those records outweigh the tensors: "auto"'s
+    figure counts them (most of the Python the step holds at its backward's start), and a budget between the
+    tensors alone and the figure runs passes, exactly, where a meter of tensors alone ran the schedule over it."""
+    model, batch = _deep_tiny(), data((1, 4, 4), 16, torch.float64)
+    with monkeypatch.context() as m:
+        m.setattr(budget_module.Meter, "count_objects", lambda self, root, records: None)
+        tensors, _ = _auto_need(model, batch, schedule, monkeypatch)
+    need, python = _auto_need(model, batch, schedule, monkeypatch)
+    assert need - tensors >= python // 2, (need, tensors, python)
+    assert need > 2 * tensors, (need, tensors)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    if schedule == "segments":
+        monkeypatch.setattr(SCHEDULES["recompute"], "choices", lambda: [])
+        monkeypatch.setattr(segments_module, "_AUTO_KEEP_EVERY", (4,))
+    else:
+        monkeypatch.setattr(SCHEDULES["segments"], "choices", lambda: [])
+    monkeypatch.setattr(SCHEDULES["layerwise"], "choices", lambda: [])
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=1, memory_budget=(tensors + need) // 2)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "passes" and "would keep more than" in choice.reason, choice
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
 

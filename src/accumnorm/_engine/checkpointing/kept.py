@@ -40,7 +40,7 @@ from ..intercept.forwards import CONVOLUTIONS
 from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
 
-__all__ = ["MIN_REDUCTION", "Kept", "choose", "keeps", "output_bytes"]
+__all__ = ["MIN_REDUCTION", "Kept", "KeptCall", "choose", "keeps", "output_bytes"]
 
 MIN_REDUCTION = 256  # in_channels / groups x kernel size: a convolution that does this much per output value
 # a candidate convolution -> the bytes per sample of its outputs in the regions, as its last step measured them
@@ -57,7 +57,7 @@ def output_bytes(conv: nn.Module) -> float | None:
     return _OUTPUT_BYTES.get(conv)
 
 
-class _KeptCall:
+class KeptCall:
     """One kept convolution call of a region's forward: a copy of its output, packed by the step's own saved-tensor
     hooks. A copy, not the output: the forward may change its output in place afterwards (`ReLU(inplace=True)`, or
     through `.data`, which no version counter sees), and the recomputation does that again to what it is given."""
@@ -89,7 +89,7 @@ class Kept:
         # each candidate's output bytes per sample, summed over its calls in every micro-batch of this step
         self.sizes: dict[nn.Module, float] = dict.fromkeys(self.candidates, 0.0)
         # each owned frame's kept calls, in order (lists: one per region call and micro-batch, most left empty)
-        self.frames: dict[int, tuple[weakref.ref, list[_KeptCall]]] = {}
+        self.frames: dict[int, tuple[weakref.ref, list[KeptCall]]] = {}
 
     def own(self, frame: Any) -> None:
         """Keep convolution outputs in this region frame (one of the schedule's own regions, not the user's)."""
@@ -122,7 +122,7 @@ class Kept:
             out = forward(module, input)
         args = _arguments(module, input)
         roles = [next((i for i, a in enumerate(args) if a is t), -1) for t in packed]
-        self.frames[id(frame)][1].append(_KeptCall(module, input.shape, out, None if -1 in roles else roles,
+        self.frames[id(frame)][1].append(KeptCall(module, input.shape, out, None if -1 in roles else roles,
                                                hooks[-2] if len(hooks) > 1 else None))
         return out
 

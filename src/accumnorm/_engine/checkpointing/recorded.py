@@ -52,6 +52,13 @@ class RecordedRegions:
         self.calls: dict[int, tuple[weakref.ref, list[Replay], Any]] = {}
         self.kept: Kept | None = None  # the recompute schedule's kept convolution outputs, while it runs
 
+    def records(self) -> list[Any]:
+        """What the step keeps for its regions' recomputations beside their inputs: the tables of recorded calls and
+        kept convolution calls, and each frame still alive (for "auto"'s meter, `memory.objects`)."""
+        tables = [self.calls] if self.kept is None else [self.calls, self.kept.frames]
+        frames = {id(f): f for table in tables for ref, *_ in table.values() if (f := ref()) is not None}
+        return [*tables, *frames.values()]
+
     def keep_convolutions(self, modules: Iterable[Any], allowance: float, micro_batches: int) -> None:
         """Let the convolutions among `modules` keep their outputs for the recomputation of the regions that `own`
         names, in `allowance` bytes per sample, over the step's `micro_batches` (`kept`), until `clear`."""

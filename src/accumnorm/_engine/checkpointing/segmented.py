@@ -79,6 +79,9 @@ class RegionExit:
     outputs: list[Tensor]
 
 
+_RECORDS = (Entry, CallReplay)  # what "auto"'s meter opens of a region call's record (`memory.objects`)
+
+
 class SegmentedRegions:
     """The regions of one segments step (module doc)."""
 
@@ -194,6 +197,7 @@ class SegmentedRegions:
                 for i in e.tensors:
                     if e.leaves[i] is not None:
                         self.meter.count(e.leaves[i])
+            self.meter.count_objects(entries, _RECORDS)  # what each call keeps beside its tensors
         return outputs
 
     def _sources(self, k: int, leaves: list[Any], tensors: list[int]) -> dict[int, tuple[RegionPasses, int]]:

@@ -16,7 +16,8 @@ outputs) and, reserved before its backward starts, the recomputation of its larg
 once, which that backward holds. Its regions and kept outputs are chosen from the last step's measurements, so that
 each of its steps runs metered. Segments' figure counts the regions' arguments it keeps (`Meter.count`) and,
 reserved before its backward, one micro-batch's recomputation of a region and the arguments it recomputes
-(`Meter.reserve_bytes`).
+(`Meter.reserve_bytes`). Both also count the Python objects of the record they keep for every region call of every
+micro-batch (`Meter.count_objects`, `memory.objects`): on a deep net of small tensors, more than the tensors.
 
 The budget, by default: on CUDA the device's free memory, on the CPU the available memory (the kernel's
 MemAvailable), each less a tenth; `memory_budget` sets it in bytes.
@@ -35,6 +36,7 @@ from torch.nn.parameter import is_lazy
 
 from ..._dist import unwrap_ddp
 from ..safety import untraced
+from .objects import object_bytes
 from .store import Store
 
 __all__ = ["Choice", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget", "figures",
@@ -99,8 +101,9 @@ def format_bytes(n: float) -> str:
 
 def check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, size: int) -> None:
     """Refuse, before anything runs, a budget below what even the passes schedule needs: the step's gradients, and
-    one micro-batch's saved tensors where an earlier step measured them."""
-    per_sample = max((v for (key, _), v in figures(model).items() if key == signature(micro_batch)), default=None)
+    one micro-batch's saved tensors where an earlier step measured them (layerwise's figure per sample: the other
+    schedules' count records that passes does not keep)."""
+    per_sample = figures(model).get((signature(micro_batch), "layerwise"))
     need = gradient_bytes(model) + (0 if per_sample is None else int(per_sample * size))
     if budget < need:
         raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs about {need} bytes "
@@ -212,6 +215,13 @@ class Meter:
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
                 self._check()
+
+    def count_objects(self, root: Any, records: tuple[type, ...]) -> None:
+        """Count the Python objects of records the step keeps for its backward (`objects`: `root` and what it holds,
+        opening `records`' attributes); raise `OverBudget` past the budget. An object that two calls reach is counted
+        by each: more than is held, never less."""
+        self.bytes += object_bytes(root, records)
+        self._check()
 
     def beside(self, tensors: list[Tensor]) -> None:
         """Count, for this moment only, `tensors` the step holds beside what it keeps (a met call's input and output
