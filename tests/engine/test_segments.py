@@ -338,6 +338,32 @@ def test_auto_counts_what_each_region_call_keeps_beside_its_tensors(schedule, mo
     compare(ref, model, 1e-9)
 
 
+def test_the_budget_check_judges_passes_by_layerwises_figure_not_by_other_schedules_records(monkeypatch):
+    """Before a step, a budget below what even passes needs is refused: the gradients and one micro-batch of
+    layerwise's figure. Recompute's figure counts a record per region call, which passes does not keep: a budget
+    between the two is passes' to run, exactly, not refused."""
+    model, batch = _deep_tiny(), data((1, 4, 4), 16, torch.float64)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    ref = copy.deepcopy(model)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=1, memory_budget=2**40)
+    accumnorm.backward(ref, batch, ce_loss, micro_batch_size=1)
+    layerwise = accumnorm.last_schedule(model).need - grads
+    with monkeypatch.context() as m, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.setattr(SCHEDULES["layerwise"], "choices", lambda: [])
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=1, memory_budget=2**40)
+        accumnorm.backward(ref, batch, ce_loss, micro_batch_size=1)
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    recompute = accumnorm.last_schedule(model).need - grads
+    assert recompute > 2 * layerwise, (recompute, layerwise)  # per sample, as the check reads them
+    expected = whole_batch(ref, batch)
+    budget = grads + (layerwise + recompute) // 2 // 16
+    loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=1, memory_budget=budget)  # warned before
+    assert accumnorm.last_schedule(model).schedule == "passes"
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
 @pytest.mark.parametrize("build", [resnet, vgg], ids=["resnet", "vgg"])
 def test_segments_keeps_every_region_after_recompute_measured_which_keep_little(build, monkeypatch):
     """Recompute runs the regions that keep little as they are once a step has measured them: its backward holds
