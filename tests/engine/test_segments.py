@@ -246,6 +246,38 @@ def test_auto_counts_one_micro_batchs_recomputation_before_segments_backward(mon
     compare(ref, model, 1e-9)
 
 
+def test_auto_counts_the_whole_batchs_gradients_at_a_regions_exit_and_entrance_before_segments_backward(monkeypatch):
+    """A region's node meets every micro-batch in the backward too: it is given the gradients of all their outputs
+    and gives those of all their arguments, the whole batch's at once, beside one micro-batch's recomputation. The
+    reserve before the backward counts both, and a budget without room for them runs passes, exactly."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU()) for _ in range(3)]
+    model = nn.Sequential(*blocks, nn.Flatten(), nn.Linear(4 * 8 * 8, 10)).double()
+    batch = data((4, 8, 8), 16, torch.float64)
+    whole = 16 * 4 * 8 * 8 * 8  # one block's input, or output, of the whole batch
+    reserved = []
+    with monkeypatch.context() as m:
+        reserve = budget_module.Meter.reserve_bytes
+
+        def spy(self, n):
+            reserved.append(n)
+            reserve(self, n)
+
+        m.setattr(budget_module.Meter, "reserve_bytes", spy)
+        need = _segments_need(model, batch, 1, monkeypatch, micro_batch_size=4)
+    (n,) = reserved
+    assert n >= 2 * whole, (n, whole)  # a middle block's output and argument gradients, besides its recomputation
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    monkeypatch.setattr(segments_module, "_AUTO_KEEP_EVERY", (1,))
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=4, memory_budget=need - whole)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "passes" and "segments(keep_every=1) would keep more than" in choice.reason, choice
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
 def test_auto_counts_a_met_calls_input_and_output_of_the_whole_batch(monkeypatch):
     """At a met BatchNorm call the lockstep holds every micro-batch's piece of its input and of its output at once,
     though segments keeps neither for the backward: with a wide first call, most of the step's peak. "auto"'s figure

@@ -187,11 +187,12 @@ class SegmentedRegions:
         passes = self.node = RegionPasses(self.step, entries, [end.outputs for end in ends])
         outputs = passes.node(self._running)
         self.step.graphs.met_region(outputs, [[e.leaves[i] for i in e.tensors] for e in entries])
+        flowing = _gradient_bytes(ends)
         dropped = self._keep_or_drop(passes, entries)
         release_free_memory(passes.device)  # every micro-batch's forward of the region is gone (`memory.heap`)
-        # Its backward holds one micro-batch's recomputation at a time, and every micro-batch's dropped arguments
-        # recomputed for it.
-        self.backward_bytes = max(self.backward_bytes, max(e.saved for e in entries) + dropped)
+        # Its backward holds one micro-batch's recomputation at a time, every micro-batch's dropped arguments
+        # recomputed for it, and the whole batch's gradients at the region's exit and at its entrance.
+        self.backward_bytes = max(self.backward_bytes, max(e.saved for e in entries) + dropped + flowing)
         if self.meter is not None:
             for e in entries:
                 for i in e.tensors:
@@ -238,6 +239,15 @@ class SegmentedRegions:
 
     def _running(self) -> int | None:
         return None if self.lockstep is None else self.lockstep.current
+
+
+def _gradient_bytes(ends: list[RegionExit]) -> int:
+    """The bytes of the gradients a region's node holds at once in its backward: those of every micro-batch's outputs,
+    which it is given, and of its arguments that require grad, which it gives."""
+    outputs = sum(o.numel() * o.element_size() for end in ends for o in end.outputs)
+    arguments = sum(e.leaves[i].numel() * e.leaves[i].element_size()
+                    for e in (end.entry for end in ends) for i, grad in zip(e.tensors, e.requires_grad) if grad)
+    return outputs + arguments
 
 
 def _differs(first: RegionExit, end: Any) -> str | None:

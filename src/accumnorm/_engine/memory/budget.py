@@ -15,9 +15,10 @@ Recompute's figure is what its forward keeps (the regions' inputs, what runs out
 outputs) and, reserved before its backward starts, the recomputation of its largest region for every micro-batch at
 once, which that backward holds. Its regions and kept outputs are chosen from the last step's measurements, so that
 each of its steps runs metered. Segments' figure counts the regions' arguments it keeps (`Meter.count`) and,
-reserved before its backward, one micro-batch's recomputation of a region and the arguments it recomputes
-(`Meter.reserve_bytes`). Both also count the Python objects of the record they keep for every region call of every
-micro-batch (`Meter.count_objects`, `memory.objects`): on a deep net of small tensors, more than the tensors.
+reserved before its backward, one micro-batch's recomputation of a region, the arguments it recomputes and the
+whole batch's gradients at the region's exit and entrance (`Meter.reserve_bytes`). Both also count the Python
+objects of the record they keep for every region call of every micro-batch (`Meter.count_objects`,
+`memory.objects`): on a deep net of small tensors, more than the tensors.
 
 The budget, by default: on CUDA the device's free memory, on the CPU the available memory (the kernel's
 MemAvailable), each less a tenth; `memory_budget` sets it in bytes.
