@@ -25,16 +25,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..bn.replay import CallReplay
 from ..intercept.calls import BNCall, INCall, NormCalls, Watch
+from ..memory.budget import Meter
 from ..memory.heap import ResidentBound
 from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
 from .frames import forward_regions, in_recomputation
-from .kept import Kept
+from .kept import Kept, KeptCall
+from .recomputation import RegionFrame
 
 __all__ = ["RecordedRegions", "Replay"]
 
 Replay = Callable[[Tensor], Tensor]  # a recorded call's output given again from its input
+
+_RECORDS = (RegionFrame, CallReplay, KeptCall)  # what "auto"'s meter opens of a region call's record (`memory.objects`)
 
 
 class RecordedRegions:
@@ -52,12 +57,12 @@ class RecordedRegions:
         self.calls: dict[int, tuple[weakref.ref, list[Replay], Any]] = {}
         self.kept: Kept | None = None  # the recompute schedule's kept convolution outputs, while it runs
 
-    def records(self) -> list[Any]:
-        """What the step keeps for its regions' recomputations beside their inputs: the tables of recorded calls and
-        kept convolution calls, and each frame still alive (for "auto"'s meter, `memory.objects`)."""
+    def count_records(self, meter: Meter) -> None:
+        """Count on "auto"'s `meter` what the step keeps for its regions' recomputations beside their inputs: the
+        tables of recorded calls and kept convolution calls, and each frame still alive (`memory.objects`)."""
         tables = [self.calls] if self.kept is None else [self.calls, self.kept.frames]
         frames = {id(f): f for table in tables for ref, *_ in table.values() if (f := ref()) is not None}
-        return [*tables, *frames.values()]
+        meter.count_objects([*tables, *frames.values()], _RECORDS)
 
     def keep_convolutions(self, modules: Iterable[Any], allowance: float, micro_batches: int) -> None:
         """Let the convolutions among `modules` keep their outputs for the recomputation of the regions that `own`

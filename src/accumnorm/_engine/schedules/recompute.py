@@ -17,10 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..bn.replay import CallReplay
 from ..checkpointing.checkpointed import RegionState, RegionStateChanged, checkpointed
-from ..checkpointing.kept import KeptCall
-from ..checkpointing.recomputation import RegionFrame
 from ..checkpointing.regions import Region, choose_regions, keep_allowance, largest_saved
 from ..memory.budget import Meter
 from ..memory.store import Store
@@ -29,8 +26,6 @@ from .base import Schedule
 from .layerwise import lockstep
 
 __all__ = ["Recompute"]
-
-_RECORDS = (RegionFrame, CallReplay, KeptCall)  # what "auto"'s meter opens of a region call's record (`memory.objects`)
 
 
 class Recompute(Schedule):
@@ -61,7 +56,7 @@ class Recompute(Schedule):
                     raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, "
                                              f"but in the forward {problem}: its recomputation would not be exact")
                 if isinstance(store, Meter):  # "auto": the backward recomputes a region for every micro-batch at once
-                    store.count_objects(step.regions.records(), _RECORDS)
+                    step.regions.count_records(store)
                     store.reserve(largest_saved(regions))
 
             try:
