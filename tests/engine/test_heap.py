@@ -173,3 +173,35 @@ def test_a_failed_segments_step_leaves_no_file_of_its_bound_open(monkeypatch, wh
     with pytest.raises(RuntimeError, match="failure in"):
         accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule="segments", memory_budget=1 << 30)
     assert opened and all(bound.fd is None for bound in opened)
+
+
+@pytest.mark.skipif(heap._TRIM is None, reason="the C library is not glibc: there is no malloc_trim")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
+def test_recomputes_bound_reads_its_resident_memory_at_each_saved_tensor_its_backward_reads(monkeypatch):
+    """A region's backward for every micro-batch at once frees and makes much between two recomputations: the heap
+    kept its free pages there, past the budget, where the bound read only before each recomputation. It now reads at
+    each saved tensor the backward gives a region (and trims, each reading here being past any budget); exact."""
+    from accumnorm._engine.checkpointing.recomputation import RegionFrame
+
+    backward_reads, unpacks = [0], [0]
+
+    def resident(bound):
+        backward_reads[0] += torch._C._current_graph_task_id() != -1
+        return 1 << 40
+
+    unpack = RegionFrame.unpack
+
+    def counted(frame, index):
+        unpacks[0] += 1
+        return unpack(frame, index)
+
+    monkeypatch.setattr(heap.ResidentBound, "_resident", resident)
+    monkeypatch.setattr(heap, "_TRIM", lambda pad: 1)
+    monkeypatch.setattr(heap, "_PAGE", 4096)
+    monkeypatch.setattr(RegionFrame, "unpack", counted)
+    torch.manual_seed(0)
+    ref = resnet().double()
+    exact_vs_whole_batch(ref, copy.deepcopy(ref), data((1, 12, 12), 8, torch.float64), 2, 1e-9,
+                         schedule="recompute", memory_budget=1 << 30)
+    assert unpacks[0] > 0
+    assert backward_reads[0] >= unpacks[0], (backward_reads, unpacks)

@@ -73,6 +73,7 @@ class RegionFrame:
             self._inputs = [(below[1], below[0](t), t._version, t.requires_grad) for t in inputs]
         self._recomputed: dict[int, list[Any]] = {}  # graph task -> the saved tensors again, each until unpacked
         self._recomputing = False
+        self.on_unpack: Callable[[], None] | None = None  # called as the backward reads each saved tensor (`unpack`)
 
     def forward(self, fn: Callable[..., Any], inputs: Sequence[Tensor]) -> Any:
         """`fn(*inputs)`, its saved tensors left to the recomputation."""
@@ -88,6 +89,8 @@ class RegionFrame:
         return len(metadata) - 1
 
     def unpack(self, index: int) -> Tensor:
+        if self.on_unpack is not None:
+            self.on_unpack()
         task = _graph_task()
         saved = self._recomputed.get(task)
         if saved is None:

@@ -46,7 +46,8 @@ class RecordedRegions:
     """The checkpointed regions of one step and the BatchNorm calls each made in its forward.
 
     `watch`: what the step's modes share, for the mode each recomputation runs under; `bound`: the step's resident
-    memory, checked before each recomputation (what the backward freed since the last).
+    memory, checked before each recomputation (what the backward freed since the last) and, in the recompute
+    schedule's own regions, at each saved tensor their backward reads.
     """
 
     def __init__(self, watch: Watch, bound: ResidentBound) -> None:
@@ -74,10 +75,14 @@ class RecordedRegions:
         if self.kept is not None:
             mode.convolutions = self.convolution
 
-    def own(self, frame: Any) -> None:
+    def own(self, frame: RegionFrame) -> None:
         """A region frame of the recompute schedule's own (not the user's checkpoint)."""
         if self.kept is not None:
             self.kept.own(frame)
+        if self.bound.active:
+            # Its backward, for every micro-batch at once, frees and makes much between two recomputations: the bound
+            # reads the resident size at each saved tensor the backward reads, to trim what the heap kept of it.
+            frame.on_unpack = self.bound.check
 
     def convolution(self, module: Any, forward: Callable[..., Tensor], args: tuple, kwargs: dict) -> Tensor:
         """A convolution layer's call in a micro-batch's forward: measured and perhaps kept, in an owned region."""
