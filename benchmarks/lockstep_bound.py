@@ -24,6 +24,7 @@ from _memory import measure_runs, use_allocator
 from _models import BATCH, MODELS, Case
 from _steps import prepare
 from _table import mib
+from bench_backward import parse_list
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -85,18 +86,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--volume", type=int, default=32, help="input side of 3D models (default 32)")
     p.add_argument("--memory-threads", type=int, default=1, help="threads of the memory runs (default 1)")
     args = p.parse_args(argv)
+    models = parse_list(p, "--models", args.models, list(MODELS))
+    ks = parse_list(p, "--ks", args.ks, [k for k in range(1, BATCH + 1) if BATCH % k == 0], int)
+    if args.peak_runs < 1 or args.memory_threads < 1:
+        p.error(f"--peak-runs and --memory-threads must be >= 1, got {args.peak_runs} and {args.memory_threads}")
     args.device, args.allocator = "cpu", "keep"
     use_allocator(args.allocator)
     print(f"batch {BATCH}; plain's peak: the median of {args.peak_runs} fresh processes; budget {BUDGET}x plain's peak")
     print("| model | BN calls | forward bound MiB | K x b | plain peak MiB | budget MiB | bound / budget | "
           "only passes fits |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name in args.models.split(","):
+    for name in models:
         prepared = prepare(name, args.size, args.volume, torch.device("cpu"))
         if prepared is None:
             continue
         bound, calls = forward_bound(*prepared, _forward(MODELS[name]))
-        for k in (int(k) for k in args.ks.split(",")):
+        for k in ks:
             plain = measure_runs(name, ["plain"], BATCH // k, args, timeout=3600)["plain"]
             if isinstance(plain, str):
                 print(f"| {name} | {calls} | {mib(bound)} | {k}x{BATCH // k} | failed | | | |")

@@ -3,6 +3,7 @@ whose figure is known by hand."""
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -53,3 +54,17 @@ def test_the_bound_is_the_largest_over_the_calls_and_a_view_counts_once():
     assert _bound(model) == (2 * ACTIVATION, 2)
     after = nn.Sequential(model, nn.Conv2d(CHANNELS, 1, 3, padding=1), _Skip())
     assert _bound(after) == (3 * ACTIVATION + ACTIVATION // CHANNELS, 3)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--models", "resnet50,nosuch"], "--models: ['nosuch'] not among"),
+    (["--ks", "16,5"], "--ks: [5] not among"),
+    (["--ks", "four"], "--ks: expected a comma-separated list of int, got 'four'"),
+    (["--peak-runs", "0"], "--peak-runs and --memory-threads must be >= 1, got 0 and 1"),
+])
+def test_a_flag_out_of_range_is_refused_naming_it_before_anything_runs(capsys, argv, says):
+    with pytest.raises(SystemExit) as exit_:
+        lockstep_bound.main(argv)
+    assert exit_.value.code == 2
+    out = capsys.readouterr()
+    assert says in out.err and out.out == ""
