@@ -35,6 +35,11 @@ class Case:
     forward: Callable[[nn.Module, Batch], Any] | None = None
     batch_loss: Callable[[Any, Any], torch.Tensor] | None = None
 
+    @property
+    def micro_forward(self) -> Callable[[nn.Module, Batch], Any]:
+        """What accumnorm.backward runs per micro-batch: the loss, or with a whole-batch loss the outputs."""
+        return self.loss if self.batch_loss is None else self.forward
+
 
 # --- data --------------------------------------------------------------------------------------------------------
 

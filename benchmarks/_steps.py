@@ -152,7 +152,7 @@ def lockstep_step(model: nn.Module, batch: Batch, micro: int, case: Case) -> Non
     for m in layers:
         vars(m)["forward"] = types.MethodType(pause, m)
     parts = split(batch, micro)
-    forward = case.loss if case.batch_loss is None else case.forward
+    forward = case.micro_forward
     try:
         forwards = [greenlet.greenlet(lambda part: forward(model, part)) for _ in parts]
         ends = [g.switch(part) for g, part in zip(forwards, parts)]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from _memory import measure_runs, use_allocator
-from _models import BATCH, MODELS, Case
+from _models import BATCH, MODELS
 from _steps import prepare
 from _table import mib
 from bench_backward import parse_list
@@ -45,9 +45,9 @@ class _LiveTensors(TorchDispatchMode):
 
     def held(self, own: set[int]) -> int:
         """`own`: the storages of the model's parameters and buffers, which an op in place returns (not counted)."""
-        alive = [t for ref in self.made if (t := ref()) is not None]
-        self.made = [weakref.ref(t) for t in alive]
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive}  # a view's once
+        alive = [(ref, t) for ref in self.made if (t := ref()) is not None]
+        self.made = [ref for ref, _ in alive]
+        storages = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for _, t in alive)}  # a view's once
         return sum(n for ptr, n in storages.items() if ptr not in own)
 
 
@@ -73,10 +73,6 @@ def forward_bound(model: nn.Module, batch: Any, forward: Any) -> tuple[int, int]
     return most[0], calls[0]
 
 
-def _forward(case: Case) -> Any:
-    return case.loss if case.batch_loss is None else case.forward
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated (default: every benchmark model)")
@@ -100,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         prepared = prepare(name, args.size, args.volume, torch.device("cpu"))
         if prepared is None:
             continue
-        bound, calls = forward_bound(*prepared, _forward(MODELS[name]))
+        bound, calls = forward_bound(*prepared, MODELS[name].micro_forward)
         for k in ks:
             plain = measure_runs(name, ["plain"], BATCH // k, args, timeout=3600)["plain"]
             if isinstance(plain, str):
