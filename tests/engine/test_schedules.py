@@ -208,6 +208,33 @@ def test_fine_tuning_setups(schedule):
     check(model, data((1, 16, 16), 9, torch.float64), 2, schedule, 1e-9)
 
 
+class _UnusedBranch(nn.Module):
+    """A residual block that also runs a branch of two BatchNorm calls whose output no loss uses (a probe)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.unused = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.Tanh(),
+                                    nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c))
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        h = torch.tanh(self.bn1(self.conv1(x)))
+        self.unused(h)
+        return x + self.bn2(self.conv2(h))
+
+
+def test_a_branch_no_loss_reaches_keeps_its_gradients_none(schedule):
+    """The unused branch's parameters keep .grad None, as whole-batch torch leaves them (an optimizer skips them; a
+    gradient of zeros would move them under weight decay). Its BatchNorm calls, in the bottom half of the passes'
+    calls or of a segments region's, get no correction pass: none of their backwards ran. Ten blocks, so that the
+    blocks are recompute's and segments' regions."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), *[_UnusedBranch(4) for _ in range(10)],
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)).double()
+    ours = check(model, data((1, 6, 6), 8, torch.float64), 2, schedule, 1e-9)
+    assert all(p.grad is None for n, p in ours.named_parameters() if ".unused." in n)
+
+
 @pytest.mark.parametrize("build", [lambda: resnet(nn.Tanh), FunctionalBN], ids=["resnet", "functional"])
 def test_split_invariance_across_schedules(build):
     """Micro-batches of 1, 2, 5 and the whole batch, under both schedules: all one result, the oracle's."""

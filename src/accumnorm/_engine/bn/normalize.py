@@ -84,7 +84,9 @@ class GradSums:
 
     `collect=True` while they are still being summed (the layer back-propagates the uncorrected
     gradient weight * invstd * dy and adds its micro-batch's share here); once complete, `correction`
-    makes the backward exact.
+    makes the backward exact. `reached`: whether the call's backward ran at all, for any micro-batch on any
+    rank. A call no loss reaches has no backward in the whole batch's graph either: it sends no correction,
+    which would give the leaves below it a gradient of zeros where torch leaves their `.grad` None.
     """
 
     def __init__(self, num_channels: int, count: Tensor) -> None:
@@ -92,15 +94,20 @@ class GradSums:
         self.sum_dy = torch.zeros(num_channels, dtype=count.dtype, device=count.device)
         self.sum_dy_xhat = torch.zeros_like(self.sum_dy)
         self.collect = True
+        self.reached = False
 
     def add(self, sum_dy: Tensor, sum_dy_xhat: Tensor) -> None:
         self.sum_dy += sum_dy
         self.sum_dy_xhat += sum_dy_xhat
+        self.reached = True
 
     def finish(self, sum_: Callable[[Tensor], Tensor]) -> None:
-        """The sums are complete on this process: summed across ranks (`sum_`), and from now on used, not collected."""
-        both = sum_(torch.cat([self.sum_dy, self.sum_dy_xhat]))
-        self.sum_dy, self.sum_dy_xhat = both.chunk(2)
+        """The sums are complete on this process: summed across ranks (`sum_`), with whether any rank's backward
+        reached the call, and from now on used, not collected."""
+        reached = self.sum_dy.new_ones(1) if self.reached else self.sum_dy.new_zeros(1)
+        total = sum_(torch.cat([self.sum_dy, self.sum_dy_xhat, reached]))
+        self.sum_dy, self.sum_dy_xhat, reached = total.split([len(self.sum_dy), len(self.sum_dy), 1])
+        self.reached = bool(reached)
         self.collect = False
 
     def correction(self, x: Tensor, mean: Tensor, inv: Tensor, scale_: Tensor) -> Tensor:

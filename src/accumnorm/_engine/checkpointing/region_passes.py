@@ -154,6 +154,8 @@ class RegionPasses:
             totals.append(self._back_propagate(outputs, dy, inputs, start))
         for t in reversed(range(split)):
             sums[t].finish(self.step.collectives.sum_)
+            if not sums[t].reached:  # no gradient went back through the call: nothing to correct (`GradSums`)
+                continue
             call = self.calls[t]
             for entry, given, total in zip(entries, values, totals):
                 start = next_sequence_nr()

@@ -259,6 +259,8 @@ class _Passes:
     def _correction_pass(self, j: int) -> None:
         self.mode, self.target = self.CORRECT, j
         call = self.calls[j]
+        if not call.sums.reached:  # no loss reaches the call: nothing to correct, as nothing went back through it
+            return
         first = call.first
         for k in self._each():
             self._forward(k)
