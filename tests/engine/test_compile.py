@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import copy
 import sys
+import threading
 
 import pytest
 import test_random_networks as random_networks
@@ -270,6 +271,18 @@ def test_fullgraph_is_refused_before_anything_changes_naming_fullgraph_false(for
     assert all(p.grad is None for p in net.parameters())
 
 
+def test_a_submodule_without_a_norm_compiled_with_fullgraph_trains_exact():
+    """fullgraph=True is refused on a module with a norm layer only: a head of linear layers breaks no graph."""
+    torch.manual_seed(0)
+    net = Net().double()
+    oracle = copy.deepcopy(net)
+    net.fc2 = torch.compile(net.fc2, backend="aot_eager", fullgraph=True)
+    x, y = batches()[0]
+    accumnorm.backward(net, (x, y), ce, micro_batch_size=MICRO)
+    ce(oracle, (x, y)).backward()
+    assert_grads_close(net, oracle, 1e-10)
+
+
 def test_a_function_compiled_with_fullgraph_inside_the_forward_fails_at_its_break_saying_why(schedule):
     """fullgraph=True on a function the forward calls cannot be seen before the step: dynamo's own error at the first
     BatchNorm call says why and what to do, the micro-batch is named, and the step is rolled back."""
@@ -443,6 +456,50 @@ def test_a_norm_in_a_higher_order_call_inside_a_compiled_model_trains_like_whole
     if call == "a nested compile region":  # torch's recomputation of a checkpoint moves the oracle's statistics again
         assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
     assert (dynamos_checks(), placeholder()) == original
+
+
+def test_another_thread_in_no_step_traces_higher_order_ops_as_torch_does_while_a_step_runs():
+    """What a step swaps in dynamo is process-wide, but acts as the step's on its own thread only: another thread's
+    torch.cond with a batch norm in its body runs, and its compiled checkpoint is one graph, as with no step running
+    (and stays so after the step)."""
+    import torch._dynamo.testing
+
+    h = torch.randn(4, 6, 4, 4).abs()
+
+    def cond() -> torch.Tensor:
+        return torch.cond(h.sum() > 0, lambda t: F.batch_norm(t, None, None, training=True), lambda t: t * 2.0, (h,))
+
+    def compiled_checkpoint() -> tuple:
+        counts = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        f = torch.compile(lambda t: torch.utils.checkpoint.checkpoint(torch.sin, t.cos(), use_reentrant=False).sum(),
+                          backend=counts)
+        return f, counts
+
+    expected = cond()
+    alone, alone_counts = compiled_checkpoint()
+    alone(torch.randn(8, requires_grad=True)).backward()
+    beside, counts = compiled_checkpoint()
+    results: dict = {}
+
+    def other_thread() -> None:
+        try:
+            results["cond"] = cond()
+            beside(torch.randn(8, requires_grad=True)).backward()
+        except Exception as e:  # noqa: BLE001 - asserted below
+            results["error"] = e
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        if not results:  # in the step's first forward: the other thread runs and ends meanwhile
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join()
+        return ce(model, batch)
+
+    accumnorm.backward(Net().double(), batches()[0], loss_fn, micro_batch_size=MICRO)
+    assert "error" not in results, results.get("error")
+    torch.testing.assert_close(results["cond"], expected)
+    beside(torch.randn(8, requires_grad=True)).backward()
+    assert (counts.frame_count, counts.op_count) == (alone_counts.frame_count, alone_counts.op_count)
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])

@@ -55,7 +55,9 @@ def _refuse_compile_options(m: nn.Module, name: str) -> None:
     if context is None:
         return
     compiled = f"the torch.compile'd module {name}" if name else "the torch.compile'd model"
-    if _fullgraph(context):
+    # A module without a norm layer breaks no graph at a layer's call; a direct F.batch_norm call in it fails inside
+    # the step, which is then undone, with dynamo's error and `untraced.REASON`.
+    if _fullgraph(context) and has_norm_statistics(m.modules()):
         raise ValueError(f"bn='exact' needs a graph break at each BatchNorm call of {compiled}, where the "
                          "micro-batches meet, but it was compiled with fullgraph=True, which makes a graph break an "
                          "error. Nothing was changed. Compile it with fullgraph=False (the default), or pass "

@@ -26,11 +26,13 @@ the step, once rolled back, raises as a ValueError (`refused_in`).
 
 The first two swaps and the scan are held together (`higher_order_ops_in_step`), each shared by the steps that run
 on any thread (`safety.shared.WhileStepsRun`) and put back however they end. They exist once dynamo is imported
-(`untraced.prepared`).
+(`untraced.prepared`). What they swap is process-wide, but dynamo traces a step's forwards on the step's own thread:
+on any other thread (one in no step, compiling or running its own code) each acts as torch's.
 """
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -44,18 +46,44 @@ from .calls import batch_statistics_call
 __all__ = ["higher_order_ops_in_step", "refused_in"]
 
 
+_THIS_THREAD = threading.local()  # `steps`: how many steps run on this thread now
+
+
+def _in_step() -> bool:
+    """Whether a step runs on this thread: the swaps act as the step's here, and as torch's anywhere else."""
+    return getattr(_THIS_THREAD, "steps", 0) > 0
+
+
+@contextmanager
+def _on_this_thread() -> Iterator[None]:
+    _THIS_THREAD.steps = getattr(_THIS_THREAD, "steps", 0) + 1
+    try:
+        yield
+    finally:
+        _THIS_THREAD.steps -= 1
+
+
 @untraced.skip_frames
 def _region(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`invoke_subgraph_placeholder` during a step: the region's function, called as any function is."""
-    return func(*args, **kwargs)
+    if _in_step():
+        return func(*args, **kwargs)
+    return _HIGHER_ORDER_CALLS.before[0](func, *args, **kwargs)
 
 
-def _never(obj: object) -> bool:
-    """Dynamo's check for a higher-order op's function during a step: nothing is it."""
-    return False
+def _is_invoke_subgraph(obj: object) -> bool:
+    """Dynamo's check for a nested compile region's placeholder during a step: nothing is it on the step's thread;
+    elsewhere torch's, which `_region` stands for."""
+    return not _in_step() and (obj is _region or _HIGHER_ORDER_CALLS.before[1](obj))
 
 
-_DURING = (_region, _never, _never)  # what `_higher_order_calls` holds while steps run, in its order
+def _is_utils_checkpoint(obj: object) -> bool:
+    """Dynamo's check for torch's checkpoint during a step: nothing is it on the step's thread; elsewhere torch's."""
+    return not _in_step() and _HIGHER_ORDER_CALLS.before[2](obj)
+
+
+# what `_higher_order_calls` holds while steps run, in its order
+_DURING = (_region, _is_invoke_subgraph, _is_utils_checkpoint)
 
 
 def _higher_order_calls() -> tuple[Any, ...]:
@@ -80,6 +108,8 @@ def _scanned(speculate: Callable[..., Any]) -> Callable[..., Any]:
     """Dynamo's `speculate` (which traces a higher-order op's body into a graph of its own) during a step: the same,
     refusing a body with a batch-statistics norm (module doc)."""
     def scanned(tx: Any, f: Any, sub_args: Any, sub_kwargs: Any, description: str, *args: Any, **kwargs: Any) -> Any:
+        if not _in_step():  # another thread's tracing, in no step
+            return speculate(tx, f, sub_args, sub_kwargs, description, *args, **kwargs)
         try:
             traced = speculate(tx, f, sub_args, sub_kwargs, description, *args, **kwargs)
         except torch._dynamo.exc.Unsupported as e:
@@ -158,9 +188,10 @@ _SPECULATES = WhileStepsRun(_torchs_speculates, _set_speculates, lambda torchs: 
 @contextmanager
 def higher_order_ops_in_step() -> Iterator[None]:
     """For the block, once dynamo is imported: no higher-order op for torch's checkpoint or a nested compile region,
-    and a batch-statistics norm in any other's body refused (module doc). Steps on several threads share the swaps."""
+    and a batch-statistics norm in any other's body refused (module doc), on this thread. Steps on several threads
+    share the swaps."""
     if not untraced.prepared():
         yield
         return
-    with _HIGHER_ORDER_CALLS.held(), _SPECULATES.held():
+    with _HIGHER_ORDER_CALLS.held(), _SPECULATES.held(), _on_this_thread():
         yield
