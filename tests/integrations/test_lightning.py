@@ -21,6 +21,7 @@ from helpers import (
     assert_state_close,
     assert_state_within_rounding,
     launch_ranks,
+    sgd_halving,
     train_whole_batch,
 )
 from models import TinyUnrolled, lit_classifier, tiny_bn, tiny_dataset
@@ -65,6 +66,33 @@ def test_trainer_equals_whole_batch_training_and_resumes_from_its_checkpoint(tmp
     trainer(precision="64-true", gradient_clip_val=CLIP).fit(
         resumed, loader, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
     assert_state_close(resumed.net.state_dict(), model.net.state_dict(), 0.0)
+
+
+def test_a_batch_that_training_step_skips_steps_with_no_gradient_as_lightning_does():
+    """A training_step that returns None skips its batch: Lightning zeroes the gradients after it and back-propagates
+    nothing, so the optimizer's step has no gradient. It must not step again with the last batch's."""
+    skip = 1
+
+    class Skipping(lit_classifier()):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx == skip else super().training_step(batch, batch_idx)
+
+    data = tiny_dataset(24)
+    model = Skipping(accumnorm.convert(tiny_bn()), micro_batch_size=3)
+    norms = []
+    model.on_before_optimizer_step = lambda optimizer: norms.append(
+        sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None) ** 0.5)
+    trainer(precision="64-true").fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    assert len(norms) == 3 and norms[skip] == 0.0 and min(norms[0], norms[2]) > 0
+    oracle = tiny_bn()
+    optimizer, scheduler = sgd_halving(oracle.parameters())
+    for i, (x, y) in enumerate(batches(data, 8, 3)):
+        optimizer.zero_grad(set_to_none=True)
+        if i != skip:
+            nn.functional.cross_entropy(oracle(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+    assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
 
 
 @pytest.mark.slow

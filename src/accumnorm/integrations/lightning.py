@@ -118,6 +118,7 @@ class ExactAccumulation:
         self._accumnorm_group: ProcessGroup | None = None
         self._accumnorm_ready = False  # set by on_fit_start's checks
         self._accumnorm_has_grad = False  # training_step made this step's gradient: backward must not be missed
+        self._accumnorm_made_grad = False  # and optimizer_zero_grad must keep it
         self._accumnorm_loss = _micro_batch_loss  # compiled by on_fit_start when Lightning compiled the module
 
     def training_loss(self, batch: Any) -> Tensor:
@@ -135,11 +136,16 @@ class ExactAccumulation:
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # "16-mixed" only
         loss = backward(self, batch, self._accumnorm_loss, process_group=self._accumnorm_group, grad_scaler=scaler,
                         **self.accumnorm_options)
-        self._accumnorm_has_grad = True
+        self._accumnorm_has_grad = self._accumnorm_made_grad = True
         return loss
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing to do: Lightning calls it after training_step, which has just made the gradient."""
+        """Lightning calls it after training_step: the gradient training_step has just made stays. A training_step that
+        made none (it returned None, Lightning's way to skip a batch) has the gradients zeroed, as Lightning's own
+        hook does, so that the optimizer's step does not take the last batch's again."""
+        made, self._accumnorm_made_grad = self._accumnorm_made_grad, False
+        if not made:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
         """Nothing to do: training_step has already put the gradient of `loss` in `.grad`."""
