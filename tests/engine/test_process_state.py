@@ -693,11 +693,12 @@ def test_pythons_collector_is_off_while_a_step_runs_and_as_it_was_after(schedule
     at their lowest; after the step, committed or not, the collector is on or off as the caller had it."""
     model, batch = _tiny(), data((6,), 8, torch.float64)
     events = []  # in order: "loss" (a forward's loss), "grad" (a gradient in the backward), "collection"
-    for p in model.parameters():
-        p.register_hook(lambda g: events.append("grad"))
 
     def loss_fn(m, b):
         events.append(("loss", gc.isenabled()))
+        x = b[0].detach().requires_grad_()  # its gradient, among the backward's last (a parameter's hook is refused
+        x.register_hook(lambda g: events.append("grad"))  # under passes and segments)
+        b = (x, b[1])
         garbage = [[] for _ in range(50)]  # objects enough for a collection at the lowest thresholds
         for x, y in zip(garbage, garbage[1:]):
             x.append(y)

@@ -13,6 +13,7 @@ import copy
 import re
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,56 @@ def test_a_branch_no_loss_reaches_keeps_its_gradients_none(schedule):
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)).double()
     ours = check(model, data((1, 6, 6), 8, torch.float64), 2, schedule, 1e-9)
     assert all(p.grad is None for n, p in ours.named_parameters() if ".unused." in n)
+
+
+def _clamped(seen: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    def clamp(g: torch.Tensor) -> torch.Tensor:  # not linear: a clamp of each part of a gradient is not one of its sum
+        seen.append(g)
+        return g.clamp(-1e-3, 1e-3)
+    return clamp
+
+
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_hook_on_a_parameters_gradient_sees_the_whole_batchs_or_the_step_is_refused(schedule_any, hook):
+    """Whole-batch torch calls such a hook once, with all of the gradient. Layerwise and recompute back-propagate each
+    micro-batch once and do the same; passes and segments back-propagate each several times, and are refused before
+    anything changes, naming the parameter ("auto" runs layerwise here)."""
+    model = vgg(nn.Tanh).double()
+    batch = data((1, 12, 12), 8, torch.float64)
+    ref, ours = model, copy.deepcopy(model)
+    seen, seen_ref = [], []
+    if hook == "register_hook":
+        ours[4].weight.register_hook(_clamped(seen)), ref[4].weight.register_hook(_clamped(seen_ref))
+    else:
+        ours[4].weight.register_post_accumulate_grad_hook(seen.append)
+        ref[4].weight.register_post_accumulate_grad_hook(seen_ref.append)
+    if schedule_any in ("passes", "segments"):
+        before = snapshot(ours)
+        with pytest.raises(ValueError, match=f"{schedule_any} schedule back-propagates each micro-batch several "
+                                             "times.*parameter 4.weight.*Nothing was changed"):
+            accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+        assert_unchanged(ours, before)
+        assert not seen
+        return
+    expected = whole_batch(ref, batch)
+    loss = accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+    assert len(seen) == len(seen_ref) == 1
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, ours, 1e-9)
+
+
+def test_auto_never_runs_passes_or_segments_with_a_hook_on_a_parameters_gradient():
+    """A budget only passes fits: refused, saying why each schedule could not run, before anything changes."""
+    model = vgg(nn.Tanh).double()
+    batch = data((1, 12, 12), 8, torch.float64)
+    model[4].weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="no schedule can run this step exactly within the memory budget.*layerwise "
+                                         "would keep more than.*the segments schedule back-propagates.*the passes "
+                                         "schedule back-propagates.*Nothing was changed"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + 1024)
+    assert_unchanged(model, before)
 
 
 @pytest.mark.parametrize("build", [lambda: resnet(nn.Tanh), FunctionalBN], ids=["resnet", "functional"])

@@ -184,7 +184,7 @@ def backward(
     exact = bn == "exact"
     names = module_names(model)  # every module, once: what the refusals and the transaction walk over
     if exact:
-        refuse_before_step(names, schedule)
+        refuse_before_step(model, names, schedule)
     store_hooks = store_for(store_device, device)
     budget = memory_budget if memory_budget is not None or schedule != "auto" else default_budget(device)
     bound = ResidentBound(budget, device)  # from the resident memory before the step

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["refuse_unseen_batch_norms", "refuse_node_backward_hooks", "has_norm_statistics"]
+__all__ = ["gradient_hooks", "has_norm_statistics", "refuse_node_backward_hooks", "refuse_unseen_batch_norms"]
 
 
 def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> None:
@@ -128,3 +128,16 @@ def has_norm_statistics(modules: Iterable[nn.Module]) -> bool:
     InstanceNorm without running statistics normalizes each sample alone: it has none)."""
     return any(isinstance(m, _BatchNorm) or (isinstance(m, nn.modules.instancenorm._InstanceNorm)
                                              and m.track_running_stats) for m in modules)
+
+
+def gradient_hooks(model: nn.Module, schedule: str) -> str | None:
+    """Why `schedule`, which back-propagates each micro-batch more than once, cannot run `model` exactly: a hook on a
+    parameter's gradient (`Tensor.register_hook`, `register_post_accumulate_grad_hook`), which whole-batch torch calls
+    once with the whole batch's gradient, would be called at each of those backwards with a part of it (a clamp of
+    each part is not a clamp of the sum). None if no parameter has one."""
+    for name, p in model.named_parameters():
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            return (f"the {schedule} schedule back-propagates each micro-batch several times, so the hook on the "
+                    f"gradient of the parameter {name} would be called with a part of the whole batch's gradient at "
+                    "each, where whole-batch torch calls it once with all of it")
+    return None

@@ -34,6 +34,9 @@ class Schedule(ABC):
     metered: ClassVar[bool] = True
     #: whether what it keeps depends on the last step's measurements, so that "auto" meters it at every step.
     remeasured: ClassVar[bool] = False
+    #: whether it back-propagates each micro-batch once, so that a hook on a parameter's gradient sees the whole
+    #: batch's gradient in one call, as in whole-batch torch (`intercept.guards.gradient_hooks`).
+    backward_once: ClassVar[bool] = True
 
     def configured(self, **settings: Any) -> Schedule:
         """The schedule with these settings (the table's own instance, without any)."""

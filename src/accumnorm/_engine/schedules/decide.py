@@ -27,7 +27,12 @@ from torch import Tensor
 
 from ..._warn import warn_at_caller
 from ..checkpointing.checkpointed import RegionStateChanged
-from ..intercept.guards import has_norm_statistics, refuse_node_backward_hooks, refuse_unseen_batch_norms
+from ..intercept.guards import (
+    gradient_hooks,
+    has_norm_statistics,
+    refuse_node_backward_hooks,
+    refuse_unseen_batch_norms,
+)
 from ..memory.budget import (
     Choice,
     Meter,
@@ -49,12 +54,21 @@ __all__ = ["refuse_before_step", "run_step"]
 _WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models told once that auto left layerwise
 
 
-def refuse_before_step(names: dict[nn.Module, str], schedule: str) -> None:
+def refuse_before_step(model: nn.Module, names: dict[nn.Module, str], schedule: str) -> None:
     """An exact step's refusals, before anything runs, of what the schedule asked for could not see or make exact
-    (`names`: the model's modules); "auto" is judged as layerwise, the schedule it tries first (passes, its last
-    resort, is judged again before it runs)."""
+    (`names`: the model's modules); "auto" is judged as layerwise, the schedule it tries first (the others are judged
+    again before they run)."""
     refuse_unseen_batch_norms(names, schedule if schedule in ("passes", "recompute") else "layerwise")
     refuse_node_backward_hooks(names)
+    why = None if schedule == "auto" else _cannot_run(SCHEDULES[schedule], model)
+    if why is not None:
+        raise ValueError(f"bn='exact': {why}. Nothing was changed. Use schedule='layerwise' or 'recompute', which "
+                         "back-propagate each micro-batch once")
+
+
+def _cannot_run(schedule: Schedule, model: nn.Module) -> str | None:
+    """Why `schedule` cannot run a step of `model` exactly, found before it runs; None if it can."""
+    return None if schedule.backward_once else gradient_hooks(model, schedule.name)
 
 
 def run_step(new_step: Callable[[], Step], schedule: str, store: Store | None, start_over: Callable[[Step], None],
@@ -138,6 +152,11 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
     for schedule in _by_memory():
         if schedule.name in refused:
             continue
+        why = _cannot_run(schedule, model)
+        if why is not None:
+            reasons.append(why)
+            refused.add(schedule.name)
+            continue
         name = schedule.label
         need = _known_need(known, key, name, grads, samples, budget, reasons)
         if need is not None and budget is not None and need > budget:
@@ -184,6 +203,11 @@ def _run_last_resort(step: Step, reasons: list[str], budget: int | None) -> Step
     """The step under the last resort, saying why."""
     schedule = _last_resort()
     refuse_unseen_batch_norms(step.modules, schedule.name)
+    why = _cannot_run(schedule, step.model)
+    if why is not None:
+        raise ValueError(f"bn='exact': no schedule can run this step exactly within the memory budget of "
+                         f"{format_bytes(budget)}: {'; '.join([*reasons, why])}. Nothing was changed. Give it a "
+                         "larger memory_budget, or take the hook off")
     record_choice(step.model, Choice(schedule.name, "; ".join(reasons), None, budget))
     _tell(step.model, schedule.name, reasons, budget)
     schedule.run(step, None)
@@ -202,6 +226,10 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
     reasons: list[str] = []
     order = [*_by_memory(), _last_resort()]
     for schedule in order[:-1]:
+        why = _cannot_run(schedule, model)
+        if why is not None:  # every rank alike: each skips it
+            reasons.append(why)
+            continue
         need = _known_need(known, key, schedule.label, grads, samples, budget, reasons)
         if need is None or budget is None or need <= budget:
             break

@@ -298,6 +298,7 @@ class Passes(Schedule):
 
     name = "passes"
     metered = False
+    backward_once = False
 
     def run(self, step: Step, store: Store | Meter | None) -> None:
         try:

@@ -41,6 +41,7 @@ class Segments(Schedule):
     """
 
     name = "segments"
+    backward_once = False  # a region's backward, one per pass
 
     def __init__(self, keep_every: int = 2) -> None:
         # Of a chain of regions, each one's output the next one's argument: the arguments of every keep_every-th
