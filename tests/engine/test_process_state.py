@@ -58,6 +58,16 @@ def _ignoring_warnings():
         yield
 
 
+@contextlib.contextmanager
+def _matmul_precision(precision: str):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def _sdpa_math_only():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel([SDPBackend.MATH])
@@ -78,6 +88,7 @@ _FLAG_CONTEXTS = {
     "deterministic algorithms": (_deterministic, torch.are_deterministic_algorithms_enabled),
     "sdpa_kernel": (_sdpa_math_only, torch.backends.cuda.flash_sdp_enabled),
     "warnings.catch_warnings": (_ignoring_warnings, lambda: warnings.filters[0][0]),
+    "set_float32_matmul_precision": (lambda: _matmul_precision("medium"), torch.get_float32_matmul_precision),
 }
 
 

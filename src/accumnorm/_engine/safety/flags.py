@@ -49,10 +49,25 @@ def _set_python_flags(value: tuple[Any, ...]) -> None:
     warnings._filters_mutated()
 
 
-def _precision(backend: str) -> tuple[Callable[[], str], Callable[[str], None]]:
-    """A backend's float32 precision for all its operations, which `torch.backends.*.flags` enter."""
-    return (partial(_C._get_fp32_precision_getter, backend, "all"),
-            partial(_C._set_fp32_precision_setter, backend, "all"))
+def _precision(backend: str, op: str = "all") -> tuple[Callable[[], str], Callable[[str], None]]:
+    """A backend's float32 precision for its operations `op`: "all", which `torch.backends.*.flags` enter, or
+    "matmul", which `torch.set_float32_matmul_precision` sets."""
+    return (partial(_C._get_fp32_precision_getter, backend, op),
+            partial(_C._set_fp32_precision_setter, backend, op))
+
+
+def _matmul_precision() -> str | None:
+    """`torch.get_float32_matmul_precision()`, kept apart from the backends' own: None where torch refuses to say,
+    once the legacy and the new API have both been used."""
+    try:
+        return _C._get_float32_matmul_precision()
+    except RuntimeError:
+        return None
+
+
+def _set_matmul_precision(value: str | None) -> None:
+    if value is not None:  # it also sets each backend's "matmul" precision, which are set after it (`_PAIRS`' order)
+        _C._set_float32_matmul_precision(value)
 
 
 def _available() -> list[tuple[Callable[[], Any], Callable[[Any], None]]]:
@@ -74,7 +89,9 @@ def _available() -> list[tuple[Callable[[], Any], Callable[[Any], None]]]:
     pairs += [(getattr(_C, f"_get_{name}_sdp_enabled"), getattr(_C, f"_set_sdp_use_{name}")) for name in kernels
               if hasattr(_C, f"_get_{name}_sdp_enabled") and hasattr(_C, f"_set_sdp_use_{name}")]
     if hasattr(_C, "_get_fp32_precision_getter"):
+        pairs += [(_matmul_precision, _set_matmul_precision)]
         pairs += [_precision(backend) for backend in ("generic", "cuda", "mkldnn")]
+        pairs += [_precision(backend, "matmul") for backend in ("cuda", "mkldnn")]
     usable = []
     for get, set_ in pairs:
         try:
