@@ -18,7 +18,10 @@ override), called on each micro-batch with `num_items_in_batch` set to that micr
 items (the labels that are not -100, as the Trainer counts them). A loss normalized by that count and a
 model that ignores it (a mean over its samples, such as ResNetForImageClassification's) then both give the
 micro-batch's mean, and the micro-batches are weighted by their counts over the whole batch: exact for
-token-level losses, a short last batch included. Without a count (no `labels`) the weights are sample counts.
+token-level losses, a short last batch included. The Trainer counts items only for a model that takes
+`num_items_in_batch` (or with `compute_loss_func`); the weights count them, as it would, for any model with
+`labels`, so that a model's own mean over its valid labels (ignore_index=-100) is exact too. Without `labels`
+(or labels it cannot count) the weights are sample counts.
 
 Everything else is the Trainer's: logging, checkpoints and resume, `max_grad_norm`, LR schedulers, callbacks,
 `bf16` autocast and `fp16` (its GradScaler scales the loss here), DDP under torchrun (accumnorm reduces
@@ -118,7 +121,8 @@ class ExactTrainer(Trainer):
         over all processes) the whole batch's weights (its share of the items, or of the samples), and the
         count of items to pass as `num_items_in_batch` (None where the Trainer counts none)."""
         items = [_local_items(self, b) for b in batches]
-        counts = [float(n) if n is not None else float(_samples(b)) for n, b in zip(items, batches)]
+        labels = items if not all(n is None for n in items) else [_local_items(self, b, always=True) for b in batches]
+        counts = [float(n) if n is not None else float(_samples(b)) for n, b in zip(labels, batches)]
         totals = torch.tensor([sum(counts), len(batches)], dtype=torch.float64, device=self.args.device)
         if self.accelerator.num_processes > 1:
             totals = self.accelerator.reduce(totals, reduction="sum")
@@ -142,14 +146,19 @@ def _samples(batch: dict[str, Any]) -> int:
     raise ValueError(f"a batch of the Trainer holds no tensor with a batch dimension: keys {sorted(batch)}")
 
 
-def _local_items(trainer: Trainer, batch: dict[str, Any]) -> Tensor | None:
-    """The Trainer's own count of items (labels that are not -100) in one micro-batch of this process."""
+def _local_items(trainer: Trainer, batch: dict[str, Any], always: bool = False) -> Tensor | None:
+    """The Trainer's own count of items (labels that are not -100) in one micro-batch of this process; `always`:
+    counted as the Trainer counts them even for a model it counts none for (one that does not take
+    `num_items_in_batch`)."""
     args = trainer.args
     averaged, args.average_tokens_across_devices = args.average_tokens_across_devices, False  # no all-gather
+    accepts = trainer.model_accepts_loss_kwargs
+    trainer.model_accepts_loss_kwargs = accepts or always
     try:
         return trainer._get_num_items_in_batch([batch], args.device)
     finally:
         args.average_tokens_across_devices = averaged
+        trainer.model_accepts_loss_kwargs = accepts
 
 
 def _loss_scale(trainer: Trainer, num_items: Any) -> float:
