@@ -119,6 +119,36 @@ def test_batch_as_dict_and_gradients_add_to_existing_grad(schedule):
     compare(ref, ours, 1e-9)
 
 
+def test_existing_gradients_are_added_into_in_place_as_autograd_does(schedule):
+    """Autograd adds into an existing .grad in place: a .grad that is a view of one flat buffer (a contiguous-gradient
+    optimizer's, DDP's gradient_as_bucket_view) stays that view, the buffer holding the sum; after a failed step the
+    buffer holds what it held before."""
+    ref, ours = oracle_and_ours(mlp().double())
+    x, y = data((64,), 9, torch.float64)
+    flat = torch.ones(sum(p.numel() for p in ours.parameters()), dtype=torch.float64)
+    views = list(torch.split(flat, [p.numel() for p in ours.parameters()]))
+    for p, view in zip(ours.parameters(), views):
+        p.grad = view.view_as(p)
+    grads = [p.grad for p in ours.parameters()]
+    for p in ref.parameters():
+        p.grad = torch.ones_like(p)
+
+    def failing(model, b):
+        if len(b[0]) < 4:  # the last micro-batch, after the others' backwards
+            raise RuntimeError("the forward fails")
+        return F.cross_entropy(model(b[0]), b[1])
+
+    with pytest.raises(RuntimeError, match="the forward fails"):
+        accumnorm.backward(ours, (x, y), failing, micro_batch_size=4, schedule=schedule)
+    assert torch.equal(flat, torch.ones_like(flat)) and all(p.grad is g for p, g in zip(ours.parameters(), grads))
+    whole_batch(ref, (x, y))
+    accumnorm.backward(ours, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4,
+                       schedule=schedule)
+    compare(ref, ours, 1e-9)
+    assert all(p.grad is g for p, g in zip(ours.parameters(), grads))
+    torch.testing.assert_close(flat, torch.cat([p.grad.flatten() for p in ref.parameters()]), rtol=1e-12, atol=0)
+
+
 def test_eval_mode_is_a_single_pass_with_running_stats():
     ref, ours = oracle_and_ours(vgg(nn.Tanh).double())
     ref.eval(), ours.eval()

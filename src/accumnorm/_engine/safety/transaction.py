@@ -5,9 +5,10 @@ The step writes its gradients to fresh `.grad` tensors, the caller's set aside; 
 statistics, counters) are copied before it starts. Leaves outside the model that the losses reach (an
 input that requires grad, a temperature held outside the model) are found in the graph before each of
 the step's backwards (`backward`) and join the transaction there, their gradients set aside the same
-way. `commit` adds the caller's gradients back, out of place, so that until `backward` returns the old
-ones are intact and `rollback` can still restore them, even when an interrupt arrives in the middle of
-the merge. A lazy module (torch's `Lazy*` layers, accumnorm's norms built without a channel count) that
+way. `commit` adds the step's gradients into the caller's in place, as autograd accumulates them (a `.grad`
+that is a view of a flat buffer, or one the caller holds, stays that tensor), each copied aside first, so
+that until `backward` returns `rollback` can still restore them, even when an interrupt arrives in the
+middle of the merge. A lazy module (torch's `Lazy*` layers, accumnorm's norms built without a channel count) that
 the step's first forward materialized is made lazy again.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Transaction:
         self.params = [p for p in self.all_params if p.requires_grad]
         self.grads: list[Tensor | None] = [p.grad for p in self.params]
         self.leaves: list[tuple[Tensor, Tensor | None]] = []  # leaves outside the model, with their .grad before
+        self.merged: list[tuple[Tensor, Tensor]] = []  # each .grad the commit added into, with its values before
         self._known = {id(p) for p in self.params}
         # (module, name, the buffer object, a copy of its values): a forward may change a buffer in place or
         # replace it by another tensor; both are undone.
@@ -82,10 +84,19 @@ class Transaction:
                 leaf.grad = None
 
     def commit(self) -> None:
-        """Add the caller's gradients to the step's, each as a new tensor (the old ones stay intact)."""
+        """Add the step's gradients into the caller's (module doc): in place where autograd would add in place, else
+        as a new tensor."""
         for p, old in (*zip(self.params, self.grads), *self.leaves):
-            if old is not None:
-                p.grad = old if p.grad is None else old + p.grad
+            if old is None:
+                continue
+            new = p.grad
+            if new is not None and _adds_in_place(old, new):
+                self.merged.append((old, old.clone()))  # before the add: a rollback puts back what it finds here
+                with torch.no_grad():
+                    old.add_(new)
+                p.grad = old
+            else:
+                p.grad = old if new is None else old + new
 
     def refuse_parameters_replaced(self) -> None:
         """Raise if a module of the model holds another tensor in a parameter's place than before the step."""
@@ -107,6 +118,10 @@ class Transaction:
             m._parameters[name] = p
         for m, training in zip(self.modules, self.training):
             vars(m)["training"] = training
+        with torch.no_grad():
+            for old, saved in self.merged:
+                old.copy_(saved)
+        self.merged.clear()
         for p, old in (*zip(self.params, self.grads), *self.leaves):
             p.grad = old
         self.restore_buffers()
@@ -119,6 +134,13 @@ class Transaction:
             for m, name, b, saved in self.buffers:
                 m._buffers[name] = b
                 b.copy_(saved)
+
+
+def _adds_in_place(old: Tensor, new: Tensor) -> bool:
+    """Whether autograd would add `new` into the existing gradient `old` in place: both dense, alike, and outside
+    any graph."""
+    return (old.layout == new.layout == torch.strided and old.shape == new.shape and old.dtype == new.dtype
+            and old.device == new.device and not old.requires_grad and not new.requires_grad)
 
 
 def _leaves(roots: Sequence[Tensor]) -> list[Tensor]:
