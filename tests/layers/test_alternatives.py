@@ -194,3 +194,39 @@ def test_deepcopy_and_train_eval_flags(name):
     assert not c.training and m.training
     for key, t in m.state_dict().items():
         torch.testing.assert_close(c.state_dict()[key], t)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_lazy_layer_deep_copies_before_its_first_forward(name):
+    """A model built with lazy norms is copied before its first batch (an EMA copy, a fork per run)."""
+    lazy = accumnorm.norm(name)
+    twin = copy.deepcopy(lazy)
+    assert twin.has_uninitialized_params() and twin is not lazy
+    x = _x().float()
+    assert twin(x).shape == x.shape and twin.num_features == 32 and lazy.has_uninitialized_params()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_empty_batch_in_training_changes_no_statistic_as_torchs_batchnorm(name):
+    """An empty batch gives an empty output whose backward gives zero gradients, and leaves the statistics as they were
+    (torch's BatchNorm counts the forward in num_batches_tracked: a layer counts it as it counts any forward)."""
+    m = accumnorm.norm(name, 32).double()
+    m(_x())  # statistics off their initial values
+    counts = copy.deepcopy(m)
+    counts(_x(seed=2))  # what a forward adds to the counter
+    before = {k: t.clone() for k, t in m.state_dict().items()}
+    x = torch.empty(0, 32, 4, 4, dtype=torch.float64, requires_grad=True)
+    y = m(x)
+    y.sum().backward()
+    assert y.shape == x.shape
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in m.parameters())
+    for key, t in m.state_dict().items():
+        want = counts.state_dict()[key] if key == "num_batches_tracked" else before[key]
+        assert torch.equal(t, want), key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_channels_last_input_gives_the_contiguous_inputs_output(name):
+    m = _randomize(accumnorm.norm(name, 32).double())
+    x = _x()
+    torch.testing.assert_close(m(x.to(memory_format=torch.channels_last)), copy.deepcopy(m)(x), rtol=1e-12, atol=0)

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, is_lazy
+from torch.nn.parameter import UninitializedParameter, is_lazy
 
-from ._lazy import LazyNormMixin, check_num_features
+from ._lazy import LazyNormMixin, _UninitializedBuffer, check_num_features
 
 __all__ = ["BatchRenorm2d", "StaleBatchNorm2d", "ChannelNorm", "affine"]
 
@@ -42,7 +42,7 @@ class ChannelNorm(LazyNormMixin, nn.Module):
             setattr(self, name, UninitializedParameter(**factory_kwargs) if lazy
                     else nn.Parameter(torch.empty(num_features, **factory_kwargs)))
         for name in buffers:
-            self.register_buffer(name, UninitializedBuffer(**factory_kwargs) if lazy
+            self.register_buffer(name, _UninitializedBuffer(**factory_kwargs) if lazy
                                  else torch.empty(num_features, **factory_kwargs), persistent=name not in work)
         if not lazy:  # an ordinary module: no lazy hooks
             self._initialize_hook.remove()
@@ -155,6 +155,10 @@ class BatchRenorm2d(ChannelNorm):
     def _norm(self, x: Tensor) -> Tensor:
         if not self.training:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        if x.numel() == 0:  # as torch's BatchNorm: counted, its running statistics as they were
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+            return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
         r_max, d_max = self.bounds()
         with torch.no_grad():
             var_b, mean_b = torch.var_mean(x, dim=(0, 2, 3), correction=0)
@@ -221,14 +225,15 @@ class StaleBatchNorm2d(ChannelNorm):
     def _norm(self, x: Tensor) -> Tensor:
         if not self.training:
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
-        with torch.no_grad():  # Chan et al.'s pairwise update: the step's moments without a sum of squares
-            n = x.numel() // x.shape[1]
-            var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
-            total = int(self.step_count) + n
-            delta = mean - self.step_mean
-            self.step_m2.add_(var * n + delta.square() * (int(self.step_count) * n / total))
-            self.step_mean.add_(delta * (n / total))
-            self.step_count.fill_(total)
+        n = x.numel() // x.shape[1]
+        if n:  # an empty batch adds no moments
+            with torch.no_grad():  # Chan et al.'s pairwise update: the step's moments without a sum of squares
+                var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+                total = int(self.step_count) + n
+                delta = mean - self.step_mean
+                self.step_m2.add_(var * n + delta.square() * (int(self.step_count) * n / total))
+                self.step_mean.add_(delta * (n / total))
+                self.step_count.fill_(total)
         # Eval-mode batch_norm: normalize with given statistics, no gradient through them.
         return F.batch_norm(x, self.stale_mean, self.stale_var, self.weight, self.bias, False, 0.0, self.eps)
 

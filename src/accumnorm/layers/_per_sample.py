@@ -81,10 +81,10 @@ class EvoNorm2dS0(ChannelNorm):
 
     def _norm(self, x: Tensor) -> Tensor:
         n, c, h, w = x.shape
-        groups = x.view(n, self.num_groups, -1)
-        std = groups.var(dim=2, correction=0, keepdim=True).add(self.eps).sqrt()
+        shape = (n, self.num_groups, c // self.num_groups * h * w)  # reshape: a channels_last input is no view
+        std = x.reshape(shape).var(dim=2, correction=0, keepdim=True).add(self.eps).sqrt()
         gated = x * torch.sigmoid(x * self.v.view(1, -1, 1, 1))
-        return affine((gated.view(n, self.num_groups, -1) / std).view(n, c, h, w), self.weight, self.bias)
+        return affine((gated.reshape(shape) / std).reshape(n, c, h, w), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, num_groups={self.num_groups}, eps={self.eps}"
