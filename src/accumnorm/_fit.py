@@ -188,10 +188,14 @@ class FitLoop:
 
     def _evaluate(self) -> None:
         t = self.trainer
+        modes = [(m, m.training) for m in t.model.modules()]  # a layer kept in eval mode stays so
         t.model.eval()
-        with torch.no_grad():
-            result = self.eval_fn(t.model)
-        t.model.train()
+        try:
+            with torch.no_grad():
+                result = self.eval_fn(t.model)
+        finally:  # an eval_fn that raised too: the next step trains in the modes the model trained in
+            for m, training in modes:
+                m.training = training
         result = result if isinstance(result, dict) else {"eval": result}
         result = {name: _scalar(name, value) for name, value in result.items()}
         self.metrics.log(t.step_count, result)

@@ -3,6 +3,7 @@ checkpoints that resume bit for bit after a real SIGKILL, bf16 autocast, and cle
 
 The killed and resumed runs are tests/programs/trainer_resume.py, each in a fresh process.
 """
+import contextlib
 import copy
 import csv
 import json
@@ -287,6 +288,30 @@ def test_a_failing_eval_fn_keeps_the_checkpoint_and_names_its_result(tmp_path):
     with pytest.raises(ValueError, match=r"eval_fn returned Tensor of shape \(3, 3\) for 'confusion'"):
         trainer.fit(loader, steps=3, eval_fn=lambda m: {"acc": 0.5, "confusion": torch.zeros(3, 3)}, log=tmp_path)
     assert _load(tmp_path / "checkpoint.pt").step_count == 3
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["eval_fn", "eval_fn raising"])
+def test_after_an_evaluation_the_model_trains_in_train_mode(fails, tmp_path):
+    """eval_fn runs the model in eval mode; after it, returned or raised, every layer is back in the mode it trained
+    in, so that a training step updates the BatchNorm statistics (not normalizes with them, silently)."""
+    loader = torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8)
+    trainer = _sgd_trainer()
+    norms = [m for m in trainer.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    seen = []
+
+    def eval_fn(model):
+        seen.append([m.training for m in model.modules()])
+        if fails:
+            raise RuntimeError("the evaluation fails")
+        return 0.5
+
+    with contextlib.nullcontext() if not fails else pytest.raises(RuntimeError, match="the evaluation fails"):
+        trainer.fit(loader, steps=1, eval_fn=eval_fn, log=tmp_path)
+    assert seen and not any(seen[0])
+    assert all(m.training for m in trainer.model.modules())
+    counted = [int(m.num_batches_tracked) for m in norms]
+    trainer.step(next(iter(loader)))
+    assert [int(m.num_batches_tracked) for m in norms] == [n + 1 for n in counted]
 
 
 def test_evaluations_show_in_the_progress_bar_and_in_a_line_each(tmp_path, capsys):
