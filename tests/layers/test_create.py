@@ -107,12 +107,41 @@ def test_convert_leaves_subclasses_alone_unless_listed_in_types():
 
 def test_convert_refuses_before_changing_anything_and_keeps_shared_layers_shared():
     model = nn.Sequential(accumnorm.BatchNorm2d(3), nn.Sequential(accumnorm.BatchNorm2d()))
-    with pytest.raises(ValueError, match=r"cannot convert 1.0 \(BatchNorm2d\) before its lazy shape is known"):
+    with pytest.raises(ValueError, match=r"cannot revert 1.0 \(BatchNorm2d\) before its lazy shape is known"):
         accumnorm.revert(model)
     assert type(model[0]) is accumnorm.BatchNorm2d  # the layer before the lazy one was not reverted
     shared = nn.BatchNorm2d(3)
     model = accumnorm.convert(nn.Sequential(shared, nn.ReLU(), shared))
     assert model[0] is model[2] and type(model[0]) is accumnorm.BatchNorm2d
+
+
+def test_a_parametrized_layer_is_refused_naming_the_parametrization_before_anything_changes():
+    """torch's parametrize keeps a parametrization in the layer's class, which a conversion replaces: its output would
+    change (the parametrization gone, a fresh weight beside the original), silently."""
+
+    class Abs(nn.Module):
+        def forward(self, w):
+            return w.abs()
+
+    model = nn.Sequential(nn.Conv2d(1, 3, 1), nn.BatchNorm2d(3))
+    torch.nn.utils.parametrize.register_parametrization(model[1], "weight", Abs())
+    parametrized = type(model[1])
+    assert accumnorm.convert(model)[1] is model[1]  # a subclass: left alone unless named
+    with pytest.raises(ValueError, match=r"cannot convert 1 \(ParametrizedBatchNorm2d\): its parametrization of "
+                                         r"weight.*Nothing was changed.*remove_parametrizations"):
+        accumnorm.convert(model, types=parametrized)
+    assert type(model[1]) is parametrized and torch.nn.utils.parametrize.is_parametrized(model[1], "weight")
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: accumnorm.convert(None), "convert expects an nn.Module, got NoneType"),
+    (lambda: accumnorm.revert("model"), "revert expects an nn.Module, got str"),
+    (lambda: accumnorm.convert(nn.Sequential(nn.BatchNorm2d(3)), types=3),
+     r"convert\(types=...\) expects a class or an iterable of classes, got int"),
+])
+def test_convert_and_revert_name_what_they_expect_when_given_something_else(call, words):
+    with pytest.raises(TypeError, match=words):
+        call()
 
 
 def test_convert_and_revert_keep_the_layers_hooks_and_attributes():

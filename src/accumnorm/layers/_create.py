@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import _WrappedHook
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from ._alternatives import BatchRenorm2d, StaleBatchNorm2d
 from ._batchnorm import BatchNorm, BatchNorm1d, BatchNorm2d, BatchNorm3d
@@ -107,12 +108,19 @@ def _mappings() -> tuple[dict[type, type], dict[type, type]]:
     return {**timm_layers._TO_ACCUM, **_TO_ACCUM, **_TORCH_LAZY}, {**timm_layers._TO_TIMM, **_TO_TORCH}
 
 
-def _swap(module: nn.Module, mapping: dict[type, type]) -> nn.Module:
+def _swap(module: nn.Module, mapping: dict[type, type], caller: str) -> nn.Module:
     """Check every module to swap, then rebuild each around the same tensors and children, in place."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{caller} expects an nn.Module, got {type(module).__name__}")
     for name, m in module.named_modules():
         cls = mapping.get(type(m))
+        if cls is not None and parametrize.is_parametrized(m):
+            raise ValueError(f"cannot {caller} {name or 'the model'} ({m._get_name()}): its parametrization of "
+                             f"{', '.join(m.parametrizations)} (torch.nn.utils.parametrize) lives in its class, which "
+                             "the conversion replaces. Nothing was changed. Remove it first "
+                             "(parametrize.remove_parametrizations) and register it again on the converted layer")
         if cls is not None and _is_lazy(m) and not issubclass(cls, LazyModuleMixin):
-            raise ValueError(f"cannot convert {name or 'the model'} ({m._get_name()}) before its lazy shape is known: "
+            raise ValueError(f"cannot {caller} {name or 'the model'} ({m._get_name()}) before its lazy shape is known: "
                              f"{cls.__name__} is never lazy; run one forward first")
     return _rebuild(module, mapping, {})
 
@@ -203,16 +211,18 @@ def convert(module: nn.Module, types: type | Iterable[type] = ()) -> nn.Module:
     """
     to_accum, _ = _mappings()
     extra = {}
+    if not isinstance(types, type | Iterable):
+        raise TypeError(f"convert(types=...) expects a class or an iterable of classes, got {type(types).__name__}")
     for cls in (types,) if isinstance(types, type) else types:
         base = next((b for b in cls.__mro__ if b in to_accum), None) if isinstance(cls, type) else None
         if base is None:
             names = ", ".join(sorted(c.__name__ for c in to_accum))
             raise TypeError(f"convert(types=...) expects subclasses of {names}, got {cls!r}")
         extra[cls] = to_accum[base]
-    return _swap(module, {**extra, **to_accum})
+    return _swap(module, {**extra, **to_accum}, "convert")
 
 
 def revert(module: nn.Module) -> nn.Module:
     """Turn accumnorm's BatchNorm layers back into torch's (accumnorm.BatchNorm becomes SyncBatchNorm, and
     accumnorm's timm BatchNormAct2d timm's), e.g. for tools that match torch's exact BatchNorm types."""
-    return _swap(module, _mappings()[1])
+    return _swap(module, _mappings()[1], "revert")
