@@ -97,7 +97,7 @@ def test_convert_keeps_the_tensors_a_state_dict_gave_a_lazy_layer_and_matches_th
 
 def test_revert_still_refuses_a_layer_still_lazy():
     model = accumnorm.convert(nn.Sequential(nn.LazyBatchNorm2d()))
-    with pytest.raises(ValueError, match=r"cannot convert 0 \(BatchNorm2d\) before its lazy shape is known: "
+    with pytest.raises(ValueError, match=r"cannot revert 0 \(BatchNorm2d\) before its lazy shape is known: "
                                          "BatchNorm2d is never lazy; run one forward first"):
         accumnorm.revert(model)
     model(torch.randn(2, 3, 2, 2))
