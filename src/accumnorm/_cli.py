@@ -75,7 +75,12 @@ def _step_or_fraction(text: str) -> int | float:
     try:
         return int(text)
     except ValueError:
-        return float(text)  # argparse reports a ValueError here as an invalid value
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a step (an int) or a fraction of the run (a float), got {text!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -585,7 +585,7 @@ BAD_OUTPUTS = {
                   ValueError, r"same structure.*micro-batch 2"),
     "dict keys": (_short_last(lambda m, b, last: dict(zip("ac" if last else "ab", simclr_forward(m, b)))),
                   ValueError, r"same structure.*micro-batch 2"),
-    "None": (lambda m, b: None, TypeError, r"output must be a Tensor.*got NoneType for micro-batch 0"),
+    "None": (lambda m, b: None, TypeError, r"forward_fn's output must be a Tensor.*got NoneType for micro-batch 0"),
     "no tensor at all": (lambda m, b: (), TypeError, r"forward_fn must return a Tensor, or tuples.*got tuple \(\)"),
 }
 

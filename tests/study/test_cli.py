@@ -171,6 +171,15 @@ def test_a_window_without_evaluations_is_refused_before_training(tmp_path, capsy
     assert not out.exists()
 
 
+def test_a_window_that_is_no_number_is_refused_saying_what_it_takes(tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exited:
+        main(["study", *TINY_RUN, "--average-after", "abc", "--out", str(out)])
+    assert exited.value.code == 2 and not out.exists()
+    assert ("argument --average-after: expected a step (an int) or a fraction of the run (a float), got 'abc'"
+            in capsys.readouterr().err)
+
+
 def test_the_window_is_a_step_or_a_fraction_and_the_api_refuses_an_empty_one():
     short = dict(dataset="digits", iterations=120, eval_every=40)
     assert StudySettings(**short).window() == 60  # half of a run shorter than 500 steps

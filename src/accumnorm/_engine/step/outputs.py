@@ -26,7 +26,7 @@ def concatenate(outputs: list[Any]) -> Any:
     Raises TypeError/ValueError, naming the output and the micro-batch, where they cannot be put together.
     """
     flat = [tree_flatten_with_path(out) for out in outputs]
-    paths, spec = [keystr(path) or "the output" for path, _ in flat[0][0]], flat[0][1]
+    paths, spec = [f" {keystr(path)}" if path else "" for path, _ in flat[0][0]], flat[0][1]  # "" for a Tensor
     if not paths:
         raise TypeError(f"forward_fn must return a Tensor, or tuples, lists, namedtuples or dicts of them (one row "
                         f"per sample), got {type(outputs[0]).__name__} {outputs[0]!r:.80} for micro-batch 0")
@@ -39,13 +39,13 @@ def concatenate(outputs: list[Any]) -> Any:
         pieces = [leaves[i][1] for leaves, _ in flat]
         for k, t in enumerate(pieces):
             if not isinstance(t, Tensor):
-                raise TypeError(f"forward_fn's output {path} must be a Tensor (with one row per sample), got "
+                raise TypeError(f"forward_fn's output{path} must be a Tensor (with one row per sample), got "
                                 f"{type(t).__name__} for micro-batch {k}")
             if t.dim() == 0:
-                raise ValueError(f"forward_fn's output {path} is 0-dim for micro-batch {k}: outputs need one row "
+                raise ValueError(f"forward_fn's output{path} is 0-dim for micro-batch {k}: outputs need one row "
                                  "per sample along dim 0, to be put together over the whole batch")
             if t.shape[1:] != pieces[0].shape[1:] or t.dtype != pieces[0].dtype:
-                raise ValueError(f"forward_fn's output {path} cannot be concatenated over the micro-batches: "
+                raise ValueError(f"forward_fn's output{path} cannot be concatenated over the micro-batches: "
                                  f"micro-batch {k} gave {tuple(t.shape)} {t.dtype}, micro-batch 0 "
                                  f"{tuple(pieces[0].shape)} {pieces[0].dtype}")
         joined.append(torch.cat(pieces))
