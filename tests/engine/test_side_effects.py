@@ -210,13 +210,14 @@ def test_a_failed_step_restores_every_buffer_and_gradient(schedule, bn):
 
 
 class InterruptingAdd(torch.Tensor):
-    """A gradient whose third addition raises KeyboardInterrupt: Ctrl-C in the middle of the final merge."""
+    """A gradient whose third addition raises KeyboardInterrupt: Ctrl-C in the middle of the final merge (which adds in
+    place, as autograd does, after two gradients were added into)."""
 
     adds = 0
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.add, torch.Tensor.__add__, torch.add):
+        if func in (torch.Tensor.add, torch.Tensor.__add__, torch.add, torch.Tensor.add_):
             InterruptingAdd.adds += 1
             if InterruptingAdd.adds == 3:
                 raise KeyboardInterrupt
