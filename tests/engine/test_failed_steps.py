@@ -148,3 +148,37 @@ def test_a_model_whose_step_failed_in_its_backward_is_freed_without_another_back
     del model
     gc.collect()
     assert dropped() is None
+
+
+class _CountsCalls(nn.Module):
+    """Registers a buffer at its first forward (lazy state of a library's module) and counts its calls in it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+
+    def forward(self, x):
+        if "calls" not in self._buffers:
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.calls += 1
+        return self.net(x)
+
+
+def test_a_buffer_a_failed_step_registered_is_gone_with_it(schedule_any):
+    """The step is a transaction over the model's buffers: one its forward registered goes with a step that fails,
+    as the values of those that were there go back."""
+    model = _CountsCalls().double()
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 3, (9,))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def failing(m, b):
+        if len(b[0]) < 4:  # the last micro-batch, after the others' forwards
+            raise RuntimeError("the forward fails")
+        return F.cross_entropy(m(b[0]), b[1])
+
+    with pytest.raises(RuntimeError, match="the forward fails"):
+        accumnorm.backward(model, (x, y), failing, micro_batch_size=4, schedule=schedule_any)
+    assert model.state_dict().keys() == before.keys() and "calls" not in model._buffers
+    accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4,
+                       schedule=schedule_any)
+    assert "calls" in model.state_dict()

@@ -9,7 +9,7 @@ way. `commit` adds the step's gradients into the caller's in place, as autograd 
 that is a view of a flat buffer, or one the caller holds, stays that tensor), each copied aside first, so
 that until `backward` returns `rollback` can still restore them, even when an interrupt arrives in the
 middle of the merge. A lazy module (torch's `Lazy*` layers, accumnorm's norms built without a channel count) that
-the step's first forward materialized is made lazy again.
+the step's first forward materialized is made lazy again, and a buffer a forward registered is taken out.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ class Transaction:
         # replace it by another tensor; both are undone.
         self.buffers = [(m, name, b, b.clone()) for m in self.modules for name, b in m._buffers.items()
                         if b is not None and not is_lazy(b)]
+        self.buffer_names = [tuple(m._buffers) for m in self.modules]  # a buffer a failed step registered goes
         self.lazy = [_Lazy(m) for m in self.modules
                      if any(t is not None and is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()))]
 
@@ -129,7 +130,11 @@ class Transaction:
             lazy.restore()
 
     def restore_buffers(self) -> None:
-        """Every buffer (the very tensor, and its values) as it was before the step."""
+        """Every buffer (the very tensor, and its values) as it was before the step, and none it registered."""
+        for m, names in zip(self.modules, self.buffer_names):
+            if tuple(m._buffers) != names:
+                for name in [name for name in m._buffers if name not in names]:
+                    del m._buffers[name]
         with torch.no_grad():
             for m, name, b, saved in self.buffers:
                 m._buffers[name] = b
