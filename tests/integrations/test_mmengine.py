@@ -138,6 +138,30 @@ def test_a_count_normalized_loss_is_exact_through_the_whole_batch_form(tmp_path)
         assert_state_close(per_micro_batch.net.state_dict(), oracle.state_dict(), 1e-3)
 
 
+@pytest.mark.parametrize("micro_batch_size", [1, 3])
+def test_data_samples_collated_as_one_tensor_reach_loss_by_feat_as_the_whole_batchs(micro_batch_size, tmp_path):
+    """default_collate stacks data samples that are tensors (labels) into one: loss_by_feat gets the whole batch's,
+    concatenated, as mmengine's own loop gives it (a micro-batch of one label 0 was dropped as false, and a tensor of
+    several raised)."""
+    x, y = tiny_dataset(12)[:]
+    y = torch.where(torch.arange(12) % 3 == 0, -1, y)
+    data = torch.utils.data.TensorDataset(x, y)
+    oracle = tiny_bn()
+    count_normalized_oracle(oracle, in_order(data, 8, 4))
+
+    class TensorLabels(mm_classifier()):
+        def loss_by_feat(self, logits, labels):
+            assert isinstance(labels, torch.Tensor) and len(labels) == len(logits)
+            counted = labels >= 0
+            return {"loss_cls": F.cross_entropy(logits, labels.clamp(min=0), reduction="none")[counted].sum()
+                    / counted.sum().clamp(min=1)}
+
+    exact = TensorLabels(tiny_bn())
+    runner(tmp_path / "exact", exact, [{"inputs": x, "data_samples": y} for x, y in data], whole_batch_loss=True,
+           micro_batch_size=micro_batch_size).train()
+    assert_state_close(exact.net.state_dict(), oracle.state_dict(), 1e-9)
+
+
 class Poison(Hook):
     """After iteration 2, the model's loss turns NaN (or its forward raises): iteration 3 fails."""
 

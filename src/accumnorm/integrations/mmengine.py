@@ -128,7 +128,7 @@ def _micro_batch_step(model: nn.Module, data_batch: Any, optim_wrapper: Any, sca
 
 def _whole_batch_step(model: nn.Module, data_batch: dict[str, Any], optim_wrapper: Any, scaler: Any,
                       options: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-    samples: dict[int, list[Any]] = {}  # the first index of each micro-batch: its preprocessed data samples
+    samples: dict[int, Any] = {}  # the first index of each micro-batch: its preprocessed data samples
     log: dict[str, dict[str, Tensor]] = {}
 
     def forward_fn(module: nn.Module, micro: dict[str, Any]) -> Any:
@@ -136,12 +136,12 @@ def _whole_batch_step(model: nn.Module, data_batch: dict[str, Any], optim_wrappe
         first = micro.pop(_ORDER)[0]
         with optim_wrapper.optim_context(module):
             data = module.data_preprocessor(micro, True)
-            samples[first] = list(data.get("data_samples") or [])
+            samples[first] = data.get("data_samples")
             return module._run_forward(data, mode="tensor")
 
     def batch_loss_fn(outputs: Any, targets: None) -> Tensor:
         with optim_wrapper.optim_context(model):
-            losses = model.loss_by_feat(outputs, [s for k in sorted(samples) for s in samples[k]])
+            losses = model.loss_by_feat(outputs, _joined([samples[k] for k in sorted(samples)]))
         loss, log_vars = model.parse_losses(losses)
         log["vars"] = {k: v.detach() for k, v in log_vars.items()}
         return loss
@@ -151,6 +151,14 @@ def _whole_batch_step(model: nn.Module, data_batch: dict[str, Any], optim_wrappe
                               batch_loss_fn=batch_loss_fn, bn=options["bn"],
                               schedule=options["schedule"], store=options["store"], grad_scaler=scaler)
     return loss, log["vars"]
+
+
+def _joined(parts: list[Any]) -> Any:
+    """The micro-batches' data samples as the whole batch's, in the form the collate function gave them: a tensor
+    (`default_collate`'s) concatenated along dim 0, a list (`pseudo_collate`'s) of every sample; none, an empty list."""
+    if all(isinstance(p, Tensor) for p in parts):
+        return torch.cat(parts)
+    return [s for p in parts if p is not None for s in p]
 
 
 def _placeholder_loss(module: nn.Module, micro_batch: Any) -> Tensor:
