@@ -340,6 +340,18 @@ def affine_net() -> nn.Module:
     return _seeded(AffineHalves)
 
 
+class Blocks(nn.Sequential):
+    """Four linear-BatchNorm-tanh blocks and a head: regions for recompute and segments, on `affine_batch`."""
+
+    def __init__(self) -> None:
+        super().__init__(*[nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh()) for _ in range(4)],
+                         nn.Linear(6, 10))
+
+
+def blocks_net() -> nn.Module:
+    return _seeded(Blocks)
+
+
 class ReadsRunning(nn.Module):
     """A BatchNorm layer, then an eval-mode call on its running statistics (which its training call moved)."""
 

@@ -31,7 +31,7 @@ from helpers import (
     snapshot,
     whole_batch,
 )
-from models import affine_batch, affine_net, reads_running_net
+from models import affine_batch, affine_net, blocks_net, reads_running_net
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning"),
@@ -217,15 +217,17 @@ def test_a_global_backward_hook_is_exact_or_refused(schedule, full):
         module._global_is_full_backward_hook = kind_before
 
 
-@pytest.mark.parametrize("net", ["affine", "reads-running"])
+@pytest.mark.parametrize("net", ["affine", "reads-running", "uneven"])
 def test_two_ranks_are_the_whole_batch(tmp_path, net):
     """tests/programs/affine_ranks.py: two gloo ranks, each with half the batch, under each exact schedule, give the
     whole batch's loss, gradients and buffers: `AffineHalves` (a bias without a weight among its calls), and
     `ReadsRunning`, whose eval-mode call after its BatchNorm's reads the running statistics that call moved (across
-    ranks they used to move at the step's end, so the read found them as before the step)."""
+    ranks they used to move at the step's end, so the read found them as before the step). `uneven`: blocks that
+    recompute and segments make regions, 3 micro-batches on one rank and 1 on the other (a rank with one micro-batch
+    ran segments' regions as they are, and the ranks' collectives went apart: gloo aborted)."""
     program = Path(__file__).parents[1] / "programs" / "affine_ranks.py"
     assert_ranks_ended_well(launch_ranks([str(program), str(tmp_path), net], tmp_path))
-    build = reads_running_net if net == "reads-running" else affine_net
+    build = {"affine": affine_net, "reads-running": reads_running_net, "uneven": blocks_net}[net]
     ref = build()
     expected = whole_batch(ref, affine_batch())
     for schedule in EXACT_SCHEDULES:

@@ -132,7 +132,10 @@ class SegmentedRegions:
         """A region's call in a micro-batch's forward (module doc)."""
         k = None if self.lockstep is None else self.lockstep.current
         hooks = saved_tensor_hooks()
-        if k is None or self.open[k] is not None or len(self.open) == 1 or not torch.is_grad_enabled() or \
+        # One micro-batch alone needs no region; under a process group it runs them still, as the other ranks do (a
+        # region's backward sums its calls across the ranks).
+        alone = len(self.open) == 1 and self.step.collectives.group is None
+        if k is None or self.open[k] is not None or alone or not torch.is_grad_enabled() or \
                 in_region(hooks) or in_recomputation(hooks) or in_segment(hooks):
             return forward(*args, **kwargs)
         self.state.called(region)
