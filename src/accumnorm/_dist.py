@@ -26,13 +26,15 @@ def rank_and_size(group: ProcessGroup | None) -> tuple[int, int]:
 
 
 def map_batch(fn: Callable[[torch.Tensor], torch.Tensor], batch: Any) -> Any:
-    """``fn`` applied to each tensor of a batch (a tensor, or a tuple/list/dict of tensors); anything
+    """``fn`` applied to each tensor of a batch (a tensor, or a tuple/namedtuple/list/dict of tensors); anything
     else is left as it is, for ``accumnorm.backward`` to refuse with a clear error."""
     def apply(t: Any) -> Any:
         return fn(t) if torch.is_tensor(t) else t
 
     if isinstance(batch, dict):
         return {k: apply(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields one by one
+        return type(batch)(*(apply(t) for t in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(apply(t) for t in batch)
     return apply(batch)

@@ -79,7 +79,11 @@ def combine_moments(parts: Moments | Sequence[Moments]) -> Moments:
     the moments of their union (Chan et al.):
 
         mean = sum(n_k mean_k) / n,   m2 = sum(m2_k + n_k (mean_k - mean)^2)
+
+    One set's moments, not stacked (a 0-dim count, as `moments` gives them), are their own union: returned as they are.
     """
+    if isinstance(parts, Moments) and parts.count.dim() == 0:
+        return parts
     if not isinstance(parts, Moments):
         parts = Moments(torch.stack([p.count for p in parts]), torch.stack([p.mean for p in parts]),
                         torch.stack([p.m2 for p in parts]))

@@ -59,3 +59,11 @@ def test_normalize_with_complete_sums_is_whole_batch_batchnorm_forward_and_backw
     assert rel_err(torch.cat(outs), ref.detach()) < 1e-12
     assert rel_err(torch.cat(dxs), gx) < 1e-10
     assert rel_err(w.grad, gw) < 1e-12 and rel_err(b.grad, gb) < 1e-12
+
+
+def test_one_set_of_moments_not_stacked_is_its_own_union():
+    """`moments(x)` as it comes (a 0-dim count): it was read as K sets of one channel each, and merged into a scalar."""
+    x = torch.randn(8, 3, 2, 2, dtype=torch.float64)
+    one = combine_moments(moments(x))
+    var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+    assert one.mean.shape == (3,) and rel_err(one.mean, mean) < 1e-12 and rel_err(one.var, var) < 1e-12
