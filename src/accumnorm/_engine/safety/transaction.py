@@ -46,7 +46,8 @@ class Transaction:
         # replace it by another tensor; both are undone.
         self.buffers = [(m, name, b, b.clone()) for m in self.modules for name, b in m._buffers.items()
                         if b is not None and not is_lazy(b)]
-        self.buffer_names = [tuple(m._buffers) for m in self.modules]  # a buffer a failed step registered goes
+        # a buffer a failed step registered goes (a TorchScript module's C++ table registers none from Python)
+        self.buffer_names = [tuple(m._buffers) if isinstance(m._buffers, dict) else None for m in self.modules]
         self.lazy = [_Lazy(m) for m in self.modules
                      if any(t is not None and is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()))]
 
@@ -132,7 +133,7 @@ class Transaction:
     def restore_buffers(self) -> None:
         """Every buffer (the very tensor, and its values) as it was before the step, and none it registered."""
         for m, names in zip(self.modules, self.buffer_names):
-            if tuple(m._buffers) != names:
+            if names is not None and tuple(m._buffers) != names:
                 for name in [name for name in m._buffers if name not in names]:
                     del m._buffers[name]
         with torch.no_grad():
