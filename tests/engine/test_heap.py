@@ -9,7 +9,7 @@ import torch
 
 import accumnorm
 from accumnorm._engine.memory import heap
-from helpers import exact_vs_whole_batch
+from helpers import ce_loss, exact_vs_whole_batch
 from models import data, resnet
 
 
@@ -203,5 +203,44 @@ def test_recomputes_bound_reads_its_resident_memory_at_each_saved_tensor_its_bac
     ref = resnet().double()
     exact_vs_whole_batch(ref, copy.deepcopy(ref), data((1, 12, 12), 8, torch.float64), 2, 1e-9,
                          schedule="recompute", memory_budget=1 << 30)
+    assert unpacks[0] > 0
+    assert backward_reads[0] >= unpacks[0], (backward_reads, unpacks)
+
+
+@pytest.mark.skipif(heap._TRIM is None, reason="the C library is not glibc: there is no malloc_trim")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
+@pytest.mark.parametrize("metered", [True, False], ids=["metered step", "step after a figure"])
+def test_layerwises_bound_reads_its_resident_memory_at_each_saved_tensor_its_backward_reads(metered, monkeypatch):
+    """The backward of the K graphs frees one layer's saved tensors of the whole batch and makes its gradients between
+    two turns of the forwards: the heap kept its free pages there, past the budget (resnet18 at 64 px, 16 x 2, "auto"
+    at 107 MiB: 117-123 MiB), where the bound read only at the forwards' turns. It now reads at each saved tensor the
+    backward unpacks, in a metered step and in one that runs by an earlier step's figure (no meter); exact."""
+    backward_reads, unpacks = [0], [0]
+
+    def resident(bound):
+        backward_reads[0] += torch._C._current_graph_task_id() != -1
+        return 0  # no trim: only the readings are counted
+
+    def counting(pack, unpack):
+        def counted(packed):
+            unpacks[0] += 1
+            return unpack(packed)
+        return saved_tensors_hooks(pack, counted)
+
+    saved_tensors_hooks = torch.autograd.graph.saved_tensors_hooks
+    monkeypatch.setattr(heap.ResidentBound, "_resident", resident)
+    monkeypatch.setattr(heap, "_PAGE", 4096)
+    torch.manual_seed(0)
+    ref = resnet().double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 12, 12), 8, torch.float64)
+    if not metered:  # the first step measures layerwise's figure; the next runs by it, without a meter
+        accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, memory_budget=1 << 30)
+        for p in ours.parameters():
+            p.grad = None
+        ours.load_state_dict(ref.state_dict())
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", counting)
+    exact_vs_whole_batch(ref, ours, batch, 2, 1e-9, memory_budget=1 << 30)
+    assert accumnorm.last_schedule(ours).schedule == "layerwise"
     assert unpacks[0] > 0
     assert backward_reads[0] >= unpacks[0], (backward_reads, unpacks)
