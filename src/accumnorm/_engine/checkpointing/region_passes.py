@@ -228,8 +228,9 @@ class RegionPasses:
         for g, state in zip(generators, entry.rng):
             g.set_state(state)
         try:
+            # Under a budget on the CPU, the backward of the recomputation reads the step's bound at each saved tensor
             with entry.modes.entered(Modes.current()), autocast_cache_off(), \
-                    NormCalls(batch_norm, INCall.output, self.step.watch):
+                    NormCalls(batch_norm, INCall.output, self.step.watch), self.step.bound.saved_tensor_hooks():
                 out = entry.forward(*args, **kwargs)
         except StopPass:
             return [], inputs, cut[0]

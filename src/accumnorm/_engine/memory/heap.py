@@ -28,8 +28,13 @@ import ctypes
 import os
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
+from torch import Tensor
+
+from ..safety import untraced
 
 __all__ = ["ResidentBound", "release_free_memory"]
 
@@ -84,6 +89,22 @@ class ResidentBound:
         grown = self._resident() - self.base
         self.trigger = max(int(_TRIGGER * self.budget), grown + max(0, self.budget - grown) // 2)
 
+    def saved_tensor_hooks(self, store: Any = None) -> AbstractContextManager:
+        """`store`'s saved-tensor hooks (a `Store`'s or a `Meter`'s; None: none). While the bound is active, their
+        unpack first reads it (`check`), with a plain pair where there is no store: a backward that frees one layer's
+        saved tensors of the whole batch and makes gradients in their place, blocks of other sizes, grows the heap's
+        free pages between the schedule's own readings."""
+        if not self.active:
+            return store.hooks() if store is not None else nullcontext()
+        pack = store.pack if store is not None else _alias
+        unpack = store.unpack if store is not None else _itself
+
+        def checked(packed: Any) -> Tensor:
+            self.check()
+            return unpack(packed)
+
+        return torch.autograd.graph.saved_tensors_hooks(untraced.wrap(pack), untraced.wrap(checked))
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
@@ -98,6 +119,16 @@ class ResidentBound:
         except OSError:  # no /proc: nothing to read, nothing done
             self.active = False
             return 0
+
+
+def _alias(t: Tensor) -> Tensor:
+    """A saved tensor kept as it is, but a node's output as a detached alias, as `Store.pack` keeps it: the output would
+    otherwise hold its own node, a cycle through autograd's C++ that keeps a failed step's graph alive."""
+    return t if t.grad_fn is None else t.detach()
+
+
+def _itself(t: Tensor) -> Tensor:
+    return t
 
 
 def _page_size() -> int | None:

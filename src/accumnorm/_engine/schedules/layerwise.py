@@ -28,20 +28,16 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import greenlet
-import torch
 from torch import Tensor
 
 from ..checkpointing.frames import in_segment
 from ..checkpointing.segmented import RegionExit, SegmentedRegions
 from ..intercept.calls import BNCall, INCall
 from ..memory.budget import Meter
-from ..memory.heap import ResidentBound
 from ..memory.store import Store
-from ..safety import untraced
 from ..safety.threadstate import ThreadState
 from ..step.outputs import concatenate
 from ..step.step import Step
@@ -66,7 +62,7 @@ class _Lockstep:
 
     def run(self) -> None:
         try:
-            with _saved_tensor_hooks(self.store, self.step.bound):
+            with self.step.bound.saved_tensor_hooks(self.store):
                 roots = self._forwards()
         finally:
             self.step.graphs.clear()  # checked: the graphs' nodes are the backward's to free
@@ -242,33 +238,6 @@ class _Lockstep:
                 except BaseException:  # noqa: S110 - the step's first error is the one raised
                     pass
         self.base.apply(ThreadState.capture())
-
-
-def _saved_tensor_hooks(store: Store | Meter | None, bound: ResidentBound) -> AbstractContextManager:
-    """The store's saved-tensor hooks, if any. Under a resident bound (a budget on the CPU, `memory.heap`) each
-    unpack in the backward also reads the bound: the backward of the K graphs frees one layer's saved tensors of the
-    whole batch and makes its gradients, blocks of other sizes, between two turns of the forwards, and the pages glibc
-    keeps of them would otherwise take the step past its budget."""
-    if not bound.active:
-        return store.hooks() if store is not None else nullcontext()
-    pack = store.pack if store is not None else _alias
-    unpack = store.unpack if store is not None else _itself
-
-    def checked(packed: Any) -> Tensor:
-        bound.check()
-        return unpack(packed)
-
-    return torch.autograd.graph.saved_tensors_hooks(untraced.wrap(pack), untraced.wrap(checked))
-
-
-def _alias(t: Tensor) -> Tensor:
-    """A saved tensor kept as it is, but a node's output as a detached alias, as `Store.pack` keeps it: the output would
-    otherwise hold its own node, a cycle through autograd's C++ that keeps a failed step's graph alive."""
-    return t if t.grad_fn is None else t.detach()
-
-
-def _itself(t: Tensor) -> Tensor:
-    return t
 
 
 def lockstep(step: Step, store: Store | Meter | None, before_backward: Callable[[], None] | None = None,
