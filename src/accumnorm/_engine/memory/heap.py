@@ -13,8 +13,9 @@ Beside those trims at fixed points, `ResidentBound` keeps a step's resident grow
 lockstep schedules' micro-batches, interleaved, free blocks of one size while others need blocks of another, and
 their recomputations in the backward free one region's blocks after another, so the pages glibc keeps can grow
 far past the live tensors (passes' too, one micro-batch's blocks after another's). It reads the process's resident
-size at each micro-batch's turn (passes: after each micro-batch's pass) and before each recomputation in the
-backward, and trims only once the step has added more than four fifths of its budget (the
+size at each micro-batch's turn (passes: after each micro-batch's pass), before each recomputation in the backward
+and at each saved tensor a lockstep's backward unpacks (`saved_tensor_hooks`), and trims only once the step has
+added more than four fifths of its budget (the
 rest is room for what a turn adds before the next check): each trim hands pages back that the next requests fault
 in again, a cost paid only where the budget needs it.
 
