@@ -327,6 +327,16 @@ class SavedBytes:
         self._ctx.__exit__(*exc)
 
 
+def failing_below(size: int):
+    """A cross-entropy loss_fn that raises in a micro-batch of fewer than `size` samples (a short last one, after the
+    others' forwards)."""
+    def loss_fn(model, batch):
+        if len(batch[0]) < size:
+            raise RuntimeError("the forward fails")
+        return F.cross_entropy(model(batch[0]), batch[1])
+    return loss_fn
+
+
 def failing_forward(failure: str):
     """A forward hook that makes a layer's forward fail: raise ("exception") or give NaNs ("nan")."""
     def fail(module, inputs, output):

@@ -19,6 +19,7 @@ from helpers import (
     assert_unchanged,
     ce_loss,
     compare,
+    failing_below,
     oracle_and_ours,
     rel_err,
     snapshot,
@@ -133,13 +134,9 @@ def test_existing_gradients_are_added_into_in_place_as_autograd_does(schedule):
     for p in ref.parameters():
         p.grad = torch.ones_like(p)
 
-    def failing(model, b):
-        if len(b[0]) < 4:  # the last micro-batch, after the others' backwards
-            raise RuntimeError("the forward fails")
-        return F.cross_entropy(model(b[0]), b[1])
 
     with pytest.raises(RuntimeError, match="the forward fails"):
-        accumnorm.backward(ours, (x, y), failing, micro_batch_size=4, schedule=schedule)
+        accumnorm.backward(ours, (x, y), failing_below(4), micro_batch_size=4, schedule=schedule)
     assert torch.equal(flat, torch.ones_like(flat)) and all(p.grad is g for p, g in zip(ours.parameters(), grads))
     whole_batch(ref, (x, y))
     accumnorm.backward(ours, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4,

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import accumnorm
+from helpers import failing_below
 
 _FAILING = contextvars.ContextVar("failing", default=False)  # per micro-batch: each coroutine has its own context
 FAILURES = ("before the forward", "at a BatchNorm call", "after the forward", "nan loss", "in batch_loss_fn")
@@ -171,13 +172,9 @@ def test_a_buffer_a_failed_step_registered_is_gone_with_it(schedule_any):
     x, y = torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 3, (9,))
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
-    def failing(m, b):
-        if len(b[0]) < 4:  # the last micro-batch, after the others' forwards
-            raise RuntimeError("the forward fails")
-        return F.cross_entropy(m(b[0]), b[1])
 
     with pytest.raises(RuntimeError, match="the forward fails"):
-        accumnorm.backward(model, (x, y), failing, micro_batch_size=4, schedule=schedule_any)
+        accumnorm.backward(model, (x, y), failing_below(4), micro_batch_size=4, schedule=schedule_any)
     assert model.state_dict().keys() == before.keys() and "calls" not in model._buffers
     accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4,
                        schedule=schedule_any)

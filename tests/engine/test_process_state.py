@@ -32,13 +32,14 @@ def _tiny() -> nn.Module:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+def _set(get, set_, value):
+    """The process flag that `get` reads set to `value` by `set_` for the block, as it was after."""
+    before = get()
+    set_(value)
     try:
         yield
     finally:
-        torch.set_default_dtype(before)
+        set_(before)
 
 
 @contextlib.contextmanager
@@ -58,16 +59,6 @@ def _ignoring_warnings():
         yield
 
 
-@contextlib.contextmanager
-def _matmul_precision(precision: str):
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
 def _sdpa_math_only():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel([SDPBackend.MATH])
@@ -82,13 +73,16 @@ _FLAG_CONTEXTS = {
     "cudnn.flags": (lambda: torch.backends.cudnn.flags(enabled=False, benchmark=True, deterministic=True),
                     lambda: (torch.backends.cudnn.enabled, torch.backends.cudnn.benchmark,
                              torch.backends.cudnn.deterministic)),
-    "default dtype": (lambda: _default_dtype(torch.float16), torch.get_default_dtype),
+    "default dtype": (lambda: _set(torch.get_default_dtype, torch.set_default_dtype, torch.float16),
+                      torch.get_default_dtype),
     "set_checkpoint_early_stop": (lambda: set_checkpoint_early_stop(False),
                                   lambda: torch.utils.checkpoint._enable_checkpoint_early_stop),
     "deterministic algorithms": (_deterministic, torch.are_deterministic_algorithms_enabled),
     "sdpa_kernel": (_sdpa_math_only, torch.backends.cuda.flash_sdp_enabled),
     "warnings.catch_warnings": (_ignoring_warnings, lambda: warnings.filters[0][0]),
-    "set_float32_matmul_precision": (lambda: _matmul_precision("medium"), torch.get_float32_matmul_precision),
+    "set_float32_matmul_precision": (lambda: _set(torch.get_float32_matmul_precision,
+                                                   torch.set_float32_matmul_precision, "medium"),
+                                     torch.get_float32_matmul_precision),
 }
 
 
@@ -137,7 +131,7 @@ def test_the_modes_read_again_unchanged_are_the_same_object_and_a_change_is_read
     with torch.no_grad():
         off = Modes.current()
         assert off is not first and not off.grad and Modes.current() is off
-    with _default_dtype(torch.float64):
+    with _set(torch.get_default_dtype, torch.set_default_dtype, torch.float64):
         assert Modes.current().flags != first.flags
     assert Modes.current() == first
 
