@@ -38,7 +38,7 @@ from torch.nn.parameter import is_lazy
 from ..._dist import unwrap_ddp
 from ..safety import untraced
 from .objects import object_bytes
-from .store import Store
+from .store import Store, alias
 
 __all__ = ["Choice", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget", "figures",
            "format_bytes", "gradient_bytes", "last_schedule", "model_device", "record_choice", "schedule_label",
@@ -243,11 +243,7 @@ class Meter:
 
     def pack(self, t: Tensor) -> Any:
         self.count(t)
-        if self.store is not None:
-            return self.store.pack(t)
-        # Not `t` itself: a node's saved output would hold its own node through it, a cycle through autograd's C++
-        # that Python's collector cannot see, which keeps a failed step's graph (and its model) alive.
-        return t if t.grad_fn is None else t.detach()
+        return self.store.pack(t) if self.store is not None else alias(t)
 
     def unpack(self, packed: Any) -> Tensor:
         return packed if self.store is None else self.store.unpack(packed)

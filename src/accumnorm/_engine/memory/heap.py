@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..safety import untraced
+from .store import alias
 
 __all__ = ["ResidentBound", "release_free_memory"]
 
@@ -97,7 +98,7 @@ class ResidentBound:
         free pages between the schedule's own readings."""
         if not self.active:
             return store.hooks() if store is not None else nullcontext()
-        pack = store.pack if store is not None else _alias
+        pack = store.pack if store is not None else alias
         unpack = store.unpack if store is not None else _itself
 
         def checked(packed: Any) -> Tensor:
@@ -120,12 +121,6 @@ class ResidentBound:
         except OSError:  # no /proc: nothing to read, nothing done
             self.active = False
             return 0
-
-
-def _alias(t: Tensor) -> Tensor:
-    """A saved tensor kept as it is, but a node's output as a detached alias, as `Store.pack` keeps it: the output would
-    otherwise hold its own node, a cycle through autograd's C++ that keeps a failed step's graph alive."""
-    return t if t.grad_fn is None else t.detach()
 
 
 def _itself(t: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..safety import untraced
 
-__all__ = ["Store", "resolve_store", "store_for"]
+__all__ = ["Store", "alias", "resolve_store", "store_for"]
 
 # Copies back started ahead of the backward: enough to hide one copy behind the compute of the previous ones,
 # few enough that the device holds little beyond what the backward reads next.
@@ -50,6 +50,13 @@ def resolve_store(store: Any) -> torch.device:
     raise TypeError(f"store must be None, 'cpu' or a torch.device, got {type(store).__name__} {store!r}")
 
 
+def alias(t: Tensor) -> Tensor:
+    """A saved tensor kept where it is: itself, but a node's output as a detached alias, which would otherwise hold its
+    own node, a cycle through autograd's C++ that Python's collector cannot see and that keeps a failed step's graph
+    (and its model) alive."""
+    return t if t.grad_fn is None else t.detach()
+
+
 class Store:
     """Saved-tensor hooks that keep what autograd saves on `device` (pinned when it is the host of a GPU)."""
 
@@ -62,13 +69,11 @@ class Store:
         return torch.autograd.graph.saved_tensors_hooks(untraced.wrap(self.pack), untraced.wrap(self.unpack))
 
     def pack(self, t: Tensor) -> Any:
-        # Parameters are kept by reference: copying a weight once per micro-batch would only waste memory. A non-leaf
-        # is kept as a detached alias: a node's saved output would otherwise hold its own node, a cycle through
-        # autograd's C++ that keeps a failed step's graph alive.
+        # Parameters are kept by reference: copying a weight once per micro-batch would only waste memory.
         if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
             return t
         if t.device == self.device:
-            return t if t.grad_fn is None else t.detach()
+            return alias(t)
         if self._host is not None and t.is_cuda:
             return self._host.pack(t)
         packed = torch.empty_like(t, device=self.device)
