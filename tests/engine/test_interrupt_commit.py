@@ -1,6 +1,7 @@
 """A Ctrl-C that lands as a step commits and returns: at every moment from the commit to the return where Python
 would run SIGINT's handler (a function's start, the end of a call into C), the step either undoes everything and
-raises KeyboardInterrupt, or has returned; never a KeyboardInterrupt with the step's changes made."""
+raises KeyboardInterrupt, or has returned; never a KeyboardInterrupt with the step's changes made. And one that lands
+as the step puts its own SIGINT handler in place: a KeyboardInterrupt, with the caller's handler back."""
 from __future__ import annotations
 
 import signal
@@ -103,3 +104,76 @@ def test_a_sigint_as_the_step_commits_undoes_it_or_comes_after_the_return(path, 
         signal.signal(signal.SIGINT, previous)
     assert n > 0
     assert late == [], f"a KeyboardInterrupt with the step's changes made, at moments {late} of {n} after the commit"
+
+
+class _SigintWhileTheStepTakesIt:
+    """Calls SIGINT's handler, as Python would for a SIGINT landing there, at the n-th moment where Python runs
+    signal handlers while the step puts its own SIGINT handler in place (`SigintDeferred.start`)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.starting, self.seen = n, False, 0
+
+    def __call__(self, frame, event: str, arg) -> None:
+        if not self.starting or event not in ("call", "c_return"):
+            return
+        self.seen += 1
+        if self.seen == self.n + 1:
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                handler(signal.SIGINT, frame)
+
+
+@pytest.mark.parametrize("path", ["layerwise", "micro"])
+def test_a_sigint_as_the_step_takes_sigint_raises_it_and_gives_the_handler_back(path, monkeypatch, one_thread):
+    """A SIGINT at every moment while the step puts its handler in place (the moment after the handler is set, inside
+    `signal.signal`, among them): the step raises KeyboardInterrupt with nothing changed, and SIGINT's handler is the
+    caller's again, so that the next Ctrl-C is a KeyboardInterrupt too."""
+    from accumnorm._engine.safety.interrupts import SigintDeferred
+
+    torch.manual_seed(0)
+    model = _Net(norms=True)
+    x, y = torch.randn(6, 6), torch.randint(0, 4, (6,))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def step() -> None:
+        accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=2,
+                           **PATHS[path])
+
+    injected: list[_SigintWhileTheStepTakesIt] = []
+    start = SigintDeferred.start
+
+    def starting(self) -> None:
+        injected[-1].starting = True
+        try:
+            start(self)
+        finally:
+            injected[-1].starting = False
+
+    monkeypatch.setattr(SigintDeferred, "start", starting)
+    try:
+        injected.append(_SigintWhileTheStepTakesIt(-1))
+        step()  # gradients to keep
+        before = _state(model)
+        outcomes = []
+        for n in range(1000):
+            injected.append(_SigintWhileTheStepTakesIt(n))
+            sys.setprofile(injected[-1])
+            try:
+                step()
+                outcomes.append("returned")
+            except KeyboardInterrupt:
+                outcomes.append("interrupted" if _same(_state(model), before) else "interrupted, changed")
+            except Exception as e:  # an interrupt must come out as itself
+                outcomes.append(f"{type(e).__name__}: {e}")
+            finally:
+                sys.setprofile(None)
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, f"moment {n}: SIGINT's handler"
+            if injected[-1].seen <= n:  # the step took SIGINT before this moment came
+                break
+            with torch.no_grad():
+                for t, saved in zip((*(p.grad for p in model.parameters()), *model.buffers()), before):
+                    t.copy_(saved)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert outcomes[-1] == "returned" and len(outcomes) > 2
+    assert set(outcomes[:-1]) == {"interrupted"}, outcomes

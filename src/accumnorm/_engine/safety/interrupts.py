@@ -58,7 +58,10 @@ class SigintDeferred:
             return
         handler = signal.getsignal(signal.SIGINT)
         if callable(handler):  # SIG_IGN / SIG_DFL: nothing is raised in Python, nothing to defer
-            self.previous = signal.signal(signal.SIGINT, untraced.wrap(self._record))
+            # Kept before the handler is set: a SIGINT landing right after (still inside `signal.signal`) calls it,
+            # and `close` puts it back whatever stopped `start`.
+            self.previous = handler
+            signal.signal(signal.SIGINT, untraced.wrap(self._record))
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
         resent, self.resent = self.resent, False
