@@ -34,8 +34,12 @@ def check_fit_args(*, steps: Any, epochs: Any, eval_every: Any, log: Any, checkp
         raise ValueError("fit needs steps=, epochs= or both to know when to stop")
     for name, value, least in (("steps", steps, 0), ("epochs", epochs, 0), ("eval_every", eval_every, 1),
                                ("checkpoint_every", checkpoint_every, 1)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise ValueError(f"{name} must be an int >= {least} or None, got {value!r}")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
+        if value < least:
+            raise ValueError(f"{name} must be >= {least} or None, got {value!r}")
     if checkpoint_every is not None and log is None:
         raise ValueError("checkpoint_every needs a log directory to write checkpoint.pt into")
     if log is not None:

@@ -65,20 +65,23 @@ def test_trainer_and_load_refuse_what_backward_would_refuse(tmp_path, kwargs, er
 
 
 # ---------------------------------------------------------------- fit's arguments
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(checkpoint_every=0), "checkpoint_every must be an int >= 1 or None, got 0"),
-    (dict(checkpoint_every=-5), "checkpoint_every must be an int >= 1 or None, got -5"),
-    (dict(checkpoint_every=2.5), "checkpoint_every must be an int >= 1 or None, got 2.5"),
-    (dict(eval_every=0), "eval_every must be an int >= 1 or None, got 0"),
-    (dict(eval_every=True), "eval_every must be an int >= 1 or None, got True"),
-    (dict(steps=-1), "steps must be an int >= 0 or None, got -1"),
-    (dict(epochs=1.5), "epochs must be an int >= 0 or None, got 1.5"),
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(checkpoint_every=0), ValueError, "checkpoint_every must be >= 1 or None, got 0"),
+    (dict(checkpoint_every=-5), ValueError, "checkpoint_every must be >= 1 or None, got -5"),
+    (dict(checkpoint_every=2.5), TypeError, "checkpoint_every must be an int or None, got float 2.5"),
+    (dict(eval_every=0), ValueError, "eval_every must be >= 1 or None, got 0"),
+    (dict(eval_every=True), TypeError, "eval_every must be an int or None, got bool True"),
+    (dict(steps=-1), ValueError, "steps must be >= 0 or None, got -1"),
+    (dict(epochs=1.5), TypeError, "epochs must be an int or None, got float 1.5"),
+    (dict(epochs="2"), TypeError, "epochs must be an int or None, got str '2'"),
 ])
-def test_fit_refuses_bad_periods_before_a_step_trains(tmp_path, kwargs, message):
+def test_fit_refuses_bad_periods_before_a_step_trains(tmp_path, kwargs, error, message):
+    """A value of the wrong type is a TypeError, as the Trainer's own arguments' are; one out of range a
+    ValueError."""
     trainer = _trainer()
     before = _state(trainer)
     loader = torch.utils.data.DataLoader(NoisyDigits(16), batch_size=8, shuffle=True)
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(error, match=re.escape(message)):
         trainer.fit(loader, **{"steps": 3, **kwargs}, eval_fn=lambda m: 0.0, log=tmp_path / "log")
     assert _unchanged(trainer, before) and not (tmp_path / "log").exists()
 
