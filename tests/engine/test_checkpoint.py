@@ -6,12 +6,13 @@ checkpoint updates running statistics twice, once more in the recomputation)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import accumnorm
 from helpers import (
@@ -65,6 +66,37 @@ def test_batchnorm_in_a_checkpointed_region_is_exact(schedule, ckpt):
     loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, schedule=schedule)
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)  # running statistics and num_batches_tracked: updated once per call, as the oracle's
+
+
+class Selective(nn.Module):
+    """conv-BN-ReLU in a region of selective activation checkpointing (torch's `context_fn`: the convolution's output
+    saved, the rest recomputed), or without any checkpoint for the oracle."""
+
+    def __init__(self, checkpointed: bool = True) -> None:
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.conv, self.bn, self.head = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, 10)
+
+    def block(self, x):
+        return F.relu(self.bn(self.conv(x)))
+
+    def forward(self, x):
+        if self.checkpointed:
+            policy = functools.partial(create_selective_checkpoint_contexts, [torch.ops.aten.convolution.default])
+            x = checkpoint(self.block, x, use_reentrant=False, context_fn=policy)
+        else:
+            x = self.block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def test_batchnorm_in_a_region_of_selective_checkpointing_is_exact(schedule):
+    """Selective checkpointing's recomputation must make the calls its forward made, under its dispatch mode: the met
+    call ran in the driver, without it, so its output given again in the recomputation runs without it too (it
+    raised "aten.div.Tensor encountered during backward but not found in storage")."""
+    ref = Selective(checkpointed=False).double()
+    ours = copy.deepcopy(ref)
+    ours.checkpointed = True
+    exact_vs_whole_batch(ref, ours, data((1, 6, 6), 10, torch.float64), 3, 1e-9, schedule=schedule)
 
 
 class InstanceNormBlocks(nn.Module):

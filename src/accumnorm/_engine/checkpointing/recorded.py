@@ -30,7 +30,7 @@ from ..intercept.calls import BNCall, INCall, NormCalls, Watch
 from ..memory.budget import Meter
 from ..memory.heap import ResidentBound
 from ..safety import untraced
-from ..safety.threadstate import saved_tensor_hooks
+from ..safety.threadstate import dispatch_modes_below, saved_tensor_hooks
 from .frames import forward_regions, in_recomputation
 from .kept import Kept, KeptCall
 from .recomputation import RegionFrame
@@ -40,6 +40,11 @@ __all__ = ["RecordedRegions", "Replay"]
 Replay = Callable[[Tensor], Tensor]  # a recorded call's output given again from its input
 
 _RECORDS = (RegionFrame, CallReplay, KeptCall)  # what "auto"'s meter opens of a region call's record (`memory.objects`)
+
+
+def _below(depth: int, replay: Replay, x: Tensor) -> Tensor:
+    with dispatch_modes_below(depth):
+        return replay(x)
 
 
 class RecordedRegions:
@@ -93,9 +98,15 @@ class RecordedRegions:
                 return self.kept.run(frames[0], module, forward, args[0])
         return forward(module, *args, **kwargs)
 
-    def enter_forward_call(self, replay: Replay, hooks: tuple[tuple[Any, Any], ...] | None = None) -> None:
+    def enter_forward_call(self, replay: Replay, hooks: tuple[tuple[Any, Any], ...] | None = None,
+                           dispatch_depth: int | None = None) -> None:
         """Record a forward call, with how to give its output again, in every region it is made in (`hooks`: the
-        thread's saved-tensor hooks, when the caller has just read them)."""
+        thread's saved-tensor hooks, when the caller has just read them). `dispatch_depth`: the call was made under
+        the bottom `dispatch_depth` of the thread's dispatch modes alone (by the driver, without the micro-batch's),
+        and its output is given again under those alone (`threadstate.dispatch_modes_below`); None: under the
+        recomputation's."""
+        if dispatch_depth is not None:
+            replay = functools.partial(_below, dispatch_depth, replay)
         for frame in forward_regions(saved_tensor_hooks() if hooks is None else hooks):
             self._recorded(frame).append(replay)
 

@@ -26,7 +26,7 @@ import torch
 
 from .flags import GETTERS, set_flags
 
-__all__ = ["ThreadState", "Modes", "autocast_cache_off", "close_checkpoints_left_open"]
+__all__ = ["ThreadState", "Modes", "autocast_cache_off", "close_checkpoints_left_open", "dispatch_modes_below"]
 
 _C = torch._C
 _get_eval_frame = _C._dynamo.eval_frame.get_eval_frame_callback
@@ -206,6 +206,22 @@ def autocast_cache_off() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(before)
+
+
+@contextmanager
+def dispatch_modes_below(depth: int) -> Iterator[None]:
+    """The block under the bottom `depth` of the thread's dispatch modes alone, the others off until it ends: for a
+    call that gives again, inside a checkpointed region's recomputation, what a call made under those modes alone (a
+    met BatchNorm call, made by the driver) in the forward. The modes the recomputation entered above them (selective
+    checkpointing's cache, which checks that the recomputation makes the calls its forward made) see neither."""
+    above = []
+    try:
+        while _C._len_torch_dispatch_stack() > depth:
+            above.append(_C._pop_torch_dispatch_stack(None))
+        yield
+    finally:
+        for mode in reversed(above):
+            _C._push_on_torch_dispatch_stack(mode)
 
 
 def close_checkpoints_left_open(error: BaseException) -> None:

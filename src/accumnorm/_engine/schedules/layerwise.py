@@ -197,8 +197,8 @@ class _Lockstep:
         own = ThreadState.capture(call.modes)
         call.saved_tensor_hooks = hooks = own.saved_tensor_hooks
         y, replay = self._pause(call, own)  # the driver comes back once all K have met, in its state
-        if hooks:  # in a checkpointed region, the region's recomputation gives the output again
-            self.step.regions.enter_forward_call(replay, hooks)
+        if hooks:  # in a checkpointed region, the region's recomputation gives the output again, as the driver did
+            self.step.regions.enter_forward_call(replay, hooks, dispatch_depth=len(self.base.dispatch_modes))
             if self.segments is not None and in_segment(hooks):
                 self.segments.called(self.current, replay, hooks)
         return y
