@@ -196,6 +196,39 @@ def test_reentrant_checkpoint_around_batchnorm_is_refused_saying_what_to_use(sch
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
+class ReentrantWithoutNorms(nn.Module):
+    """A BatchNorm, then a reentrant checkpoint around layers without batch statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.body = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Tanh())
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x):
+        x = checkpoint(self.body, self.bn(self.stem(x)), use_reentrant=True)
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_reentrant_checkpoint_without_batchnorm_is_exact_or_refused_under_passes(schedule):
+    """A reentrant checkpoint around layers without batch statistics is exact; under passes, whose backwards of part
+    of a graph (`inputs=`) torch refuses through it, a ValueError says so and what to use (it was torch's raw
+    RuntimeError), with nothing changed."""
+    ref = ReentrantWithoutNorms().double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 6, 6), 10, torch.float64)
+    if schedule != "passes":
+        exact_vs_whole_batch(ref, ours, batch, 3, 1e-9, schedule=schedule)
+        return
+    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, bn="micro")
+    snap, state = snapshot(ours), torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"passes schedule .* use_reentrant=True\)\. Nothing was changed\. Use "
+                                         r"torch\.utils\.checkpoint\(\.\.\., use_reentrant=False\)"):
+        accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    assert_unchanged(ours, snap)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 class InFunction(torch.autograd.Function):
     """A custom Function that runs a BatchNorm layer in its forward and has a backward of its own."""
 

@@ -84,7 +84,7 @@ class _Passes:
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
-                _graphs_made_before():
+                _torchs_refusals_said():
             self._statistics()
             if self.step.objective.whole:
                 self._output_gradients()
@@ -273,11 +273,20 @@ class _Passes:
 
 
 @contextmanager
-def _graphs_made_before() -> Iterator[None]:
-    """torch's error for a second backward through a graph, said as what it means here."""
+def _torchs_refusals_said() -> Iterator[None]:
+    """torch's errors for what the passes schedule's backwards cannot do, said as what they mean here: a second backward
+    through a graph made before the step, and a backward of part of a graph (`inputs=`) through a reentrant
+    checkpoint."""
     try:
         yield
     except RuntimeError as e:
+        if "use_reentrant=True" in str(e):
+            raise ValueError(
+                "bn='exact': the passes schedule back-propagates parts of each micro-batch's graph (a backward with "
+                "inputs=, down to a BatchNorm call's input), which torch refuses through "
+                "torch.utils.checkpoint(..., use_reentrant=True). Nothing was changed. Use "
+                "torch.utils.checkpoint(..., use_reentrant=False), or schedule='layerwise', 'recompute' or 'segments', "
+                "which back-propagate each micro-batch once") from e
         if "backward through the graph a second time" not in str(e):
             raise
         raise ValueError(
