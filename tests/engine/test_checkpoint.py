@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, set_checkpoint_early_stop
 
 import accumnorm
 from helpers import (
@@ -66,6 +66,22 @@ def test_batchnorm_in_a_checkpointed_region_is_exact(schedule, ckpt):
     loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, schedule=schedule)
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)  # running statistics and num_batches_tracked: updated once per call, as the oracle's
+
+
+def test_batchnorm_in_a_checkpointed_region_is_exact_without_early_stop(schedule):
+    """torch's early stop off: a region's recomputation runs its function to the end. The passes schedule's
+    correction pass ends a forward at a BatchNorm call inside the region; the region's recomputation then ran on past
+    it, through calls that forward never made (torch's BatchNorm, on one micro-batch), and the step was refused as
+    "saw 29 of the 33 training forwards"."""
+    model = Checkpointed("flat").double()
+    ref = copy.deepcopy(model)
+    ref.ckpt = None
+    batch = data((1, 8, 8), 10, torch.float64)
+    expected = whole_batch(ref, batch)
+    with set_checkpoint_early_stop(False):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
 
 
 class Selective(nn.Module):

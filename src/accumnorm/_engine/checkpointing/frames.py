@@ -16,9 +16,11 @@ import torch
 from torch import Tensor
 
 from ..memory.budget import Meter
+from ..safety.threadstate import saved_tensor_hooks
 from .recomputation import is_recomputation_hook, region_frame
 
-__all__ = ["RegionStateChanged", "forward_regions", "in_recomputation", "in_region", "in_segment", "keeping_nothing"]
+__all__ = ["RegionStateChanged", "end_recomputations_here", "forward_regions", "in_recomputation", "in_region",
+           "in_segment", "keeping_nothing"]
 
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
 _RECOMPUTE_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
@@ -39,6 +41,16 @@ def in_recomputation(hooks: tuple[tuple[Any, Any], ...]) -> bool:
 def _is_forward_hook(pack: Any) -> bool:
     fn = inspect.unwrap(pack)
     return getattr(fn, "__qualname__", "") == _FORWARD_HOOK and fn.__module__ == "torch.utils.checkpoint"
+
+
+def end_recomputations_here() -> None:
+    """A forward that ends here, inside checkpointed regions (a pass that stops at its target call): each region's
+    recomputation in the backward ends once it has saved again what this forward saved, as torch's early stop ends it.
+    With early stop off (`set_checkpoint_early_stop(False)`), it would run the region's function on past this point,
+    through calls this forward never made."""
+    for frame in forward_regions(saved_tensor_hooks()):
+        if hasattr(frame, "early_stop"):  # torch's frames; the recompute schedule's own end where their forward did
+            frame.early_stop = True
 
 
 def forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
+from ..checkpointing.frames import end_recomputations_here
 from ..intercept.calls import BNCall, INCall, StopPass
 from ..memory.budget import Meter
 from ..memory.store import Store
@@ -129,6 +130,7 @@ class _Passes:
                 call.rows += x.shape[0]
             else:
                 call.input = x
+                end_recomputations_here()  # the backward starts from x: no recomputation goes past this call
             raise StopPass
         if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
             def output(x: Tensor) -> Tensor:
