@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 import accumnorm
 from helpers import (
     EXACT_SCHEDULES,
+    STEP_SCHEDULES,
     assert_unchanged,
     ce_loss,
     compare,
@@ -82,6 +83,48 @@ def test_batchnorm_in_a_checkpointed_region_is_exact_without_early_stop(schedule
         loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=3, schedule=schedule)
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
+
+
+class DrawsInTheBackward(nn.Module):
+    """Random numbers drawn in the backward: dropout in a region recomputed without `preserve_rng_state`, and a hook
+    on a BatchNorm's output gradient that draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, 10)
+
+    def block(self, x):
+        return F.dropout(self.bn(self.conv(x)), 0.5)
+
+    def forward(self, x):
+        x = checkpoint(self.block, x, use_reentrant=False, preserve_rng_state=False)
+        if x.requires_grad:
+            x.register_hook(lambda g: g + 1e-3 * torch.rand_like(g))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("mode", [*STEP_SCHEDULES, "micro"])
+def test_draws_in_the_backward_leave_the_callers_generator_one_draw_on(mode):
+    """The caller's generator advances by one draw per step, whatever the schedule: a draw in the step's backward (a
+    region recomputed without preserve_rng_state, a hook) or in batch_loss_fn comes from a stream of the step's own.
+    The one backward of the lockstep schedules, and every whole-batch loss, drew from the caller's."""
+    torch.manual_seed(7)
+    torch.empty((), dtype=torch.int64).random_()  # the step's one draw
+    expected = torch.rand(())
+    model = DrawsInTheBackward()
+    batch = data((1, 6, 6), 8)
+    torch.manual_seed(7)
+    step = dict(bn="micro") if mode == "micro" else dict(schedule=mode)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, **step)
+    assert torch.equal(torch.rand(()), expected)
+
+    def noisy_loss(outputs, targets):  # a loss over the whole batch that draws
+        return F.cross_entropy(outputs + 1e-3 * torch.rand_like(outputs), targets)
+
+    torch.manual_seed(7)
+    accumnorm.backward(model, batch[0], micro_batch_size=2, forward_fn=lambda m, x: m(x), batch_loss_fn=noisy_loss,
+                       targets=batch[1], **step)
+    assert torch.equal(torch.rand(()), expected)
 
 
 class Selective(nn.Module):

@@ -125,7 +125,8 @@ def backward(
         leaves in shared Python state (a hook's stash, a module attribute, a global) and another uses is refused,
         but a value without autograd history (a counter, a flag, a ``threading.local``) read after a BatchNorm call
         may be another micro-batch's (docs/exact-covers.md). Every micro-batch draws its
-        random numbers from a stream of its own, the same in every run of it and under every schedule; the
+        random numbers from a stream of its own, the same in every run of it and under every schedule; what the
+        step draws outside them (in its backward, in batch_loss_fn) from one of the step's own; the
         caller's generators advance by one draw per step, whatever the split. torch's generators are
         process-wide: a draw another thread makes while a micro-batch's forward runs (between two of its
         BatchNorm calls) comes from that micro-batch's stream, so steps on several threads at once, each with

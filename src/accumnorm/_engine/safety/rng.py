@@ -5,7 +5,9 @@ forwards (layerwise): if they drew from the caller's generators, their dropout m
 the schedule and the split, and so would the caller's next `torch.rand()` and a DataLoader's next
 shuffle. So every step takes one 64-bit draw from the caller's CPU generator, whatever the split and
 schedule, derives one seed per micro-batch from it, and leaves the caller's generators (CPU and CUDA)
-as they were after that draw.
+as they were after that draw. What the step draws outside the micro-batches' turns (in its backward: a region
+recomputed without `preserve_rng_state`, a hook; in a loss over the whole batch) comes from a stream of the step's
+own, seeded the same way (`outside_turns`).
 
 torch's default generators are process-wide, and other threads draw from them too: the micro-batches'
 streams are in them only for their turns (`begin` to `end`; a schedule whose turns follow one another, as
@@ -21,6 +23,8 @@ overlap, each stream goes on from where it was last left.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -59,9 +63,10 @@ class StepRng:
         self.before = [g.get_state() for g in self.generators]
         self.after = self.before
         self.seeds: list[int] = []
-        self.states: list[list[Tensor | None]] = [[None] * len(self.generators) for _ in range(num_micro_batches)]
+        self.own = num_micro_batches  # the step's own stream, after the micro-batches' (`outside_turns`)
+        self.states: list[list[Tensor | None]] = [[None] * len(self.generators) for _ in range(num_micro_batches + 1)]
         self.slots = [(i, g, g.device) for i, g in enumerate(self.generators)]  # each generator's index and device
-        self.shared: list[list[Tensor]] = [[] for _ in range(num_micro_batches)]  # `shared_states`' last, by turn
+        self.shared: list[list[Tensor]] = [[] for _ in self.states]  # `shared_states`' last, by turn
 
     def start(self) -> None:
         """The one draw from the caller's stream (the DataLoader draws its base seed the same way), and the seeds."""
@@ -95,6 +100,21 @@ class StepRng:
                     states[i] = g.get_state()
                     g.set_state(_OUTSIDE.pop(device))
                     del _HOLDERS[device]
+
+    @contextmanager
+    def outside_turns(self) -> Iterator[None]:
+        """The block's draws from the step's own stream, unless a turn of the step's is open (then from its stream):
+        for what the step runs outside the micro-batches' turns, so that the caller's stream advances by the one
+        draw of `start` alone."""
+        holder = _HOLDERS.get(self.slots[0][2])
+        if holder is not None and holder[0] is self:
+            yield
+            return
+        self.begin(self.own)
+        try:
+            yield
+        finally:
+            self.end(self.own)
 
     def shared_states(self) -> list[Tensor]:
         """Each generator's state now, for a region call to begin its recomputation with. In a micro-batch's turn, a

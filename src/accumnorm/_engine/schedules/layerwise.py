@@ -121,7 +121,7 @@ class _Lockstep:
             step.refuse_grads_changed(grads_before, "each micro-batch's forward once")
         if step.objective.whole:  # one loss over every micro-batch's outputs
             step.graphs.check(list(zip(k_all, ends)))
-            loss, scaled = step.objective.loss(concatenate(ends))
+            loss, scaled = step.whole_loss(lambda: step.objective.loss(concatenate(ends)))
             step.losses.whole = loss.detach()
             return [scaled]
         met = index + exits  # the met points: BatchNorm calls, and the segments schedule's region exits

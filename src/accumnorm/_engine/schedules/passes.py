@@ -224,7 +224,7 @@ class _Passes:
         over all of them, and its gradient at each micro-batch's outputs, from which its backwards start."""
         self.mode, self.target = self.STATS, len(self.calls)  # no call is the target: every forward completes
         self.grads = OutputGrads([without_graph(self._forward(k)) for k in self._each()], self.step.backward)
-        self.step.losses.whole = self.grads.loss(self.step.objective.loss).detach()
+        self.step.losses.whole = self.step.whole_loss(lambda: self.grads.loss(self.step.objective.loss)).detach()
 
     def _backward_from(self, k: int, result: Any, inputs: list[Tensor] | None = None) -> None:
         """Micro-batch k's backward from its loss (weighted) or its outputs (with their gradients)."""

@@ -53,7 +53,7 @@ def _whole_batch_loss(step: Step, exact: bool) -> None:
         outputs = _forward(step, 0)
         if exact:
             step.graphs.check([(0, outputs)])
-        loss, scaled = step.objective.loss(outputs)
+        loss, scaled = step.whole_loss(lambda: step.objective.loss(outputs))
         step.losses.whole = loss.detach()
         step.backward(scaled)
         return
@@ -65,7 +65,7 @@ def _whole_batch_loss(step: Step, exact: bool) -> None:
     step.restore_buffers()
     grads = OutputGrads(outputs, step.backward)
     del outputs
-    step.losses.whole = grads.loss(step.objective.loss).detach()
+    step.losses.whole = step.whole_loss(lambda: grads.loss(step.objective.loss)).detach()
     for k in range(len(step.micro_batches)):
         outputs = _forward(step, k)
         if exact:

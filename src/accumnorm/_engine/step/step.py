@@ -9,7 +9,7 @@ while its forwards run (a backward inside them) is here too.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +60,7 @@ class Step:
         self.bound = call.bound
         self.rng, self.interrupts = rng, interrupts
         self.restore_buffers = transaction.restore_buffers  # undoes what a forward did to the buffers (run twice)
-        # torch.autograd.backward, for every backward a schedule runs: the leaves it reaches outside the model join
-        # the step's transaction first.
-        self.backward = transaction.backward
+        self.transaction = transaction
         self.join = transaction.join  # leaves a backward of the step's own will reach: those outside the model join
         self.modules = transaction.names  # every module of the model, once, with its name (`tree.module_names`)
         self.parameters = transaction.all_params  # every parameter of those modules, once (`tree.parameters`)
@@ -95,6 +93,18 @@ class Step:
         except BaseException as e:
             close_checkpoints_left_open(e)
             raise
+
+    def backward(self, tensors: Tensor | Sequence[Tensor], grad_tensors: Sequence[Tensor] | None = None,
+                 inputs: Sequence[Tensor] | None = None) -> None:
+        """torch.autograd.backward, for every backward a schedule runs: the leaves it reaches outside the model join
+        the step's transaction first, and what it draws comes from the open turn's stream or the step's own."""
+        with self.rng.outside_turns():
+            self.transaction.backward(tensors, grad_tensors, inputs)
+
+    def whole_loss(self, loss: Callable[[], Any]) -> Any:
+        """`loss()`, a loss over the whole batch's outputs, drawing from the step's own stream (`rng.outside_turns`)."""
+        with self.rng.outside_turns():
+            return loss()
 
     def inner_backward_refusal(self, call: BNCall, index: int, running: Callable[[], int | None],
                                alone: bool = False) -> Callable[[Any], None]:
