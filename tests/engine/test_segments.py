@@ -442,3 +442,28 @@ def test_a_cpu_step_hands_the_heaps_free_memory_back_at_each_regions_exit_and_af
     compare(ref, ours, 1e-9)
     # seven region nodes: a trim at each one's exit in the forward, then after each one's backward
     assert events == ["trim"] * 7 + ["backward", "trim"] * 7
+
+
+def test_a_figure_measured_at_one_micro_batch_size_does_not_judge_another(monkeypatch):
+    """Segments' need has a part of one micro-batch's size (a region's recomputation): a figure per sample measured at
+    micro-batches of 1 judged a step of micro-batches of 8 under its need, and "auto" ran segments over its budget,
+    unmetered. A step at another size now runs metered and chooses as a model without figures does."""
+    torch.manual_seed(0)
+    model, batch = _chain(), data((1, 12, 12), 16, torch.float64)
+    small, large = (_segments_need(model, batch, 1, monkeypatch, micro_batch_size=b) for b in (1, 8))
+    assert small < large, (small, large)
+    budget = (small + large) // 2
+    monkeypatch.setattr(segments_module, "_AUTO_KEEP_EVERY", (1,))
+
+    def step(m: nn.Module, micro_batch_size: int) -> budget_module.Choice:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            accumnorm.backward(m, batch, ce_loss, micro_batch_size=micro_batch_size, memory_budget=budget)
+        return accumnorm.last_schedule(m)
+
+    fresh = step(copy.deepcopy(model), 8)
+    ours = copy.deepcopy(model)
+    assert step(ours, 1).schedule == "segments"
+    choice = step(ours, 8)
+    assert choice.schedule == fresh.schedule != "segments", (choice, fresh)
+    assert choice.need is None or choice.need <= budget, choice

@@ -3,8 +3,9 @@
 On a GPU, running out of memory is an exception the step can recover from; on a CPU, it is the kernel
 killing the process. So "auto" chooses before the memory is used, from measured figures: a step's need is
 the bytes of tensors its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage
-counted once, parameters not at all), per sample, as this model's last step with batches of this shape
-measured them, times the step's samples, plus the gradients it makes. A lockstep also holds, at each met
+counted once, parameters not at all), per sample, as this model's last step with micro-batches of this size and
+shape measured them, times the step's samples (never fewer than it measured: a need has parts of one micro-batch's
+size, which do not shrink with the batch), plus the gradients it makes. A lockstep also holds, at each met
 BatchNorm call, every micro-batch's piece of the call's input and output at once, which its forwards need not
 keep: the meter counts them for that moment (`Meter.beside`), and a figure is the most it counted at once.
 Layerwise runs when its need fits the budget, recompute when its does, then segments at each of its settings,
@@ -40,9 +41,9 @@ from ..safety import untraced
 from .objects import object_bytes
 from .store import Store, alias
 
-__all__ = ["Choice", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget", "figures",
-           "format_bytes", "gradient_bytes", "last_schedule", "model_device", "record_choice", "schedule_label",
-           "signature", "stopped_figures"]
+__all__ = ["Choice", "Figure", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget",
+           "figures", "format_bytes", "gradient_bytes", "last_schedule", "model_device", "record_choice",
+           "schedule_label", "signature", "stopped_figures"]
 
 _MARGIN = 0.9  # of the free memory, the share a default budget takes
 
@@ -104,11 +105,11 @@ def check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, si
     """Refuse, before anything runs, a budget below what even the passes schedule needs: the step's gradients, and
     one micro-batch's saved tensors where an earlier step measured them (layerwise's figure per sample: the other
     schedules' count records that passes does not keep)."""
-    per_sample = figures(model).get((signature(micro_batch), "layerwise"))
-    need = gradient_bytes(model) + (0 if per_sample is None else int(per_sample * size))
+    figure = figures(model).get((signature(micro_batch), "layerwise"))
+    need = gradient_bytes(model) + (0 if figure is None else int(figure.per_sample * size))
     if budget < need:
         raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs about {need} bytes "
-                         f"(the step's gradients{', and one micro-batch' if per_sample is not None else ''}); "
+                         f"(the step's gradients{', and one micro-batch' if figure is not None else ''}); "
                          "give a larger budget, or a smaller micro_batch_size")
 
 
@@ -140,19 +141,35 @@ def gradient_bytes(model: nn.Module) -> int:
 
 
 def signature(micro_batch: Any) -> tuple:
-    """What a figure per sample depends on besides the model: each tensor's shape past dim 0, and dtype."""
+    """What a figure per sample depends on besides the model: the micro-batch's size (segments' recomputation, a met
+    call's pieces, are one micro-batch's), and each tensor's shape past dim 0, and dtype."""
     leaves = micro_batch.values() if isinstance(micro_batch, dict) else (
         micro_batch if isinstance(micro_batch, (list, tuple)) else [micro_batch])
-    return tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in leaves)
+    rows = next((len(t) for t in leaves if isinstance(t, Tensor) and t.dim() > 0), None)
+    return rows, tuple((tuple(t.shape[1:]), t.dtype) if isinstance(t, Tensor) else type(t) for t in leaves)
 
 
-# model -> {(signature, schedule): saved bytes per sample}: the figures of its last metered steps
-_FIGURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, float]] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class Figure:
+    """What a schedule kept at a metered step, in bytes per sample of the step's `samples`."""
+
+    per_sample: float
+    samples: int
+
+    def need(self, samples: int) -> int:
+        """The bytes a step of `samples` would keep, at most: in proportion above the samples measured (the parts of
+        one micro-batch's size stay as they were, so this is more), and as measured below them (a need never grows
+        with fewer micro-batches)."""
+        return int(self.per_sample * max(samples, self.samples))
+
+
+# model -> {(signature, schedule): Figure}: the figures of its last metered steps
+_FIGURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Figure]] = weakref.WeakKeyDictionary()
 _CHOICES: weakref.WeakKeyDictionary[nn.Module, Choice] = weakref.WeakKeyDictionary()
 _STOPPED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 
 
-def figures(model: nn.Module) -> dict[tuple, float]:
+def figures(model: nn.Module) -> dict[tuple, Figure]:
     if model not in _FIGURES:
         _FIGURES[model] = {}
     return _FIGURES[model]

@@ -35,6 +35,7 @@ from ..intercept.guards import (
 )
 from ..memory.budget import (
     Choice,
+    Figure,
     Meter,
     OverBudget,
     figures,
@@ -167,7 +168,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
         try:
             why = _attempt(schedule, step, meter or store)
         except OverBudget:
-            known[(key, name)] = meter.need / samples
+            known[(key, name)] = Figure(meter.need / samples, samples)
             stopped.add((key, name))
             reasons.append(f"{name} would keep more than {format_bytes(budget)} (this step's meter stopped it first)")
         except torch.OutOfMemoryError as e:
@@ -175,7 +176,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
         else:
             if why is None:
                 if meter is not None:
-                    known[(key, name)] = meter.need / samples
+                    known[(key, name)] = Figure(meter.need / samples, samples)
                     stopped.discard((key, name))
                     need = grads + meter.need
                 record_choice(model, Choice(schedule.name, _why(schedule, reasons), need, budget, schedule.settings))
@@ -192,8 +193,8 @@ def _known_need(known: dict, key: Any, name: str, grads: int, samples: int, budg
                 reasons: list[str]) -> int | None:
     """What `name` would keep, by this model's figure from an earlier step (None: no figure); one over `budget` is
     said in `reasons`."""
-    per_sample = known.get((key, name))
-    need = None if per_sample is None else grads + int(per_sample * samples)
+    figure = known.get((key, name))
+    need = None if figure is None else grads + figure.need(samples)
     if need is not None and budget is not None and need > budget:
         reasons.append(f"{name} would keep about {format_bytes(need)} (measured at an earlier step)")
     return need
@@ -248,7 +249,7 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
         step, agreed, meter = new_step(), SCHEDULES["layerwise"], Meter(None, store, samples)
         reasons.append(why)
         agreed.run(step, meter)
-    known[(key, agreed.label)] = meter.need / samples
+    known[(key, agreed.label)] = Figure(meter.need / samples, samples)
     record_choice(model, Choice(agreed.name, _why(agreed, reasons), grads + meter.need, budget, agreed.settings))
     _tell(model, agreed.label, reasons, budget)
     return step
