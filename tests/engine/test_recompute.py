@@ -20,6 +20,7 @@ from helpers import (
     assert_unchanged,
     ce_loss,
     compare,
+    exact_vs_whole_batch,
     live_peak,
     quiet_next_step,
     rel_err,
@@ -814,3 +815,19 @@ def test_auto_tries_a_schedule_that_cannot_run_a_model_exactly_at_one_setting_on
     assert reason.count("the segments schedule runs a region's forward again") == 1, reason
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
+
+
+def test_a_stack_of_conv_batchnorm_and_in_place_relu_is_recomputed():
+    """A VGG-like Sequential of conv, BatchNorm and ReLU(inplace=True): its runs were cut at any child, an in-place
+    ReLU first among them, whose change to the run's argument made recompute fall back to layerwise at every step,
+    with a warning. A run now starts after such a child; recompute runs, exactly, and says nothing."""
+    torch.manual_seed(0)
+    blocks = [[nn.Conv2d(3 if i == 0 else 6, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(inplace=True)]
+              for i in range(6)]
+    ref = nn.Sequential(*[m for block in blocks for m in block], nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(6, 10)).double()
+    ours = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exact_vs_whole_batch(ref, ours, data((3, 8, 8), 8, torch.float64), 2, 1e-9, schedule="recompute")
+    assert accumnorm.last_schedule(ours).schedule == "recompute"

@@ -134,7 +134,12 @@ class _Walk:
         self.close(seq, children, start, len(children), total)
 
     def close(self, seq: nn.Sequential, children: list[nn.Module], start: int, stop: int, total: int) -> None:
-        """The run of children `start` to `stop` (excluded), of `total` layers, ended."""
+        """The run of children `start` to `stop` (excluded), of `total` layers, ended. Its first children that change
+        their argument in place (a `ReLU(inplace=True)` after the run or block before) run as they are, before it:
+        they would change the run's argument, which its recomputation starts from."""
+        while start < stop and getattr(children[start], "inplace", False) is True:
+            total -= self.layers[children[start]]
+            start += 1
         if stop - start == 1:
             self.add(children[start])
         elif stop > start and total >= 2:
