@@ -679,9 +679,11 @@ def test_auto_runs_recompute_where_layerwise_would_pass_the_budget_exactly_and_s
     assert choice.schedule == "recompute" and choice.budget == budget and "layerwise" in choice.reason
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
-    # The next step knows the figures: straight to recompute, exact again, and no second warning.
+    # The next step knows the figures: straight to recompute, exact again, and no second warning. Layerwise's is
+    # what its meter counted before it stopped the step: what layerwise keeps at least.
     loss, expected = quiet_next_step(model, ref, batch, micro_batch_size=2, memory_budget=budget)
     assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert "layerwise would keep at least" in accumnorm.last_schedule(model).reason
     assert "measured at an earlier step" in accumnorm.last_schedule(model).reason
     assert rel_err(loss, expected) < 1e-12
     compare(ref, model, 1e-9)
@@ -786,7 +788,7 @@ def test_auto_with_room_runs_layerwise():
     (True, TypeError, ["memory_budget", "bool"]),
     (0, ValueError, ["memory_budget", "positive", "0"]),
     (-5, ValueError, ["memory_budget", "positive", "-5"]),
-    (1000, ValueError, ["memory_budget is 1000 bytes", "passes schedule needs about", "gradients"]),
+    (1000, ValueError, ["memory_budget is 1000 bytes", "gradients alone take"]),
 ])
 def test_a_bad_memory_budget_is_refused_before_anything_runs(budget, exc, words):
     model, batch = net(), data((1, 8, 8), 8, torch.float64)
@@ -797,6 +799,25 @@ def test_a_bad_memory_budget_is_refused_before_anything_runs(budget, exc, words)
     assert all(w in str(error.value) for w in words), str(error.value)
     assert_unchanged(model, snap)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_budget_below_the_gradients_says_no_micro_batch_size_helps():
+    """Below the gradients alone, the refusal says that no schedule or micro-batch size can keep less (it advised a
+    smaller micro_batch_size, and named the passes schedule, whatever the step asked for); above them, below one
+    micro-batch more, it names what passes needs and the smaller micro-batch."""
+    model, batch = net(), data((1, 8, 8), 8, torch.float64)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    for step in (dict(), dict(schedule="layerwise"), dict(bn="micro")):
+        with pytest.raises(ValueError) as error:
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads - 1, **step)
+        message = str(error.value)
+        assert f"the step's gradients alone take {grads} bytes" in message and "passes" not in message, message
+        assert all(p.grad is None for p in model.parameters())
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2)  # measures one micro-batch's saved tensors
+    with pytest.raises(ValueError, match=r"even the passes schedule needs about \d+ bytes \(the step's gradients, "
+                                         rf"{grads}, and one micro-batch's saved tensors\); give a larger budget, or a "
+                                         "smaller micro_batch_size"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + 1)
 
 
 def test_auto_tries_a_schedule_that_cannot_run_a_model_exactly_at_one_setting_only():

@@ -106,11 +106,15 @@ def check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, si
     one micro-batch's saved tensors where an earlier step measured them (layerwise's figure per sample: the other
     schedules' count records that passes does not keep)."""
     figure = figures(model).get((signature(micro_batch), "layerwise"))
-    need = gradient_bytes(model) + (0 if figure is None else int(figure.per_sample * size))
+    grads = gradient_bytes(model)
+    if budget < grads:
+        raise ValueError(f"memory_budget is {budget} bytes, but the step's gradients alone take {grads} bytes, which "
+                         "no schedule and no micro_batch_size can lower: give a larger budget")
+    need = grads + (0 if figure is None else int(figure.per_sample * size))
     if budget < need:
         raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs about {need} bytes "
-                         f"(the step's gradients{', and one micro-batch' if figure is not None else ''}); "
-                         "give a larger budget, or a smaller micro_batch_size")
+                         f"(the step's gradients, {grads}, and one micro-batch's saved tensors); give a larger "
+                         "budget, or a smaller micro_batch_size")
 
 
 def model_device(model: nn.Module) -> torch.device:

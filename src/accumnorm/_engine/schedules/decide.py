@@ -159,7 +159,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
             refused.add(schedule.name)
             continue
         name = schedule.label
-        need = _known_need(known, key, name, grads, samples, budget, reasons)
+        need = _known_need(known, key, name, grads, samples, budget, reasons, (key, name) in stopped)
         if need is not None and budget is not None and need > budget:
             continue
         # A figure a meter stopped is only a floor: where it fits, the schedule runs metered again.
@@ -190,13 +190,14 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
 
 
 def _known_need(known: dict, key: Any, name: str, grads: int, samples: int, budget: int | None,
-                reasons: list[str]) -> int | None:
-    """What `name` would keep, by this model's figure from an earlier step (None: no figure); one over `budget` is
-    said in `reasons`."""
+                reasons: list[str], floor: bool = False) -> int | None:
+    """What `name` would keep, by this model's figure from an earlier step (None: no figure; `floor`: one a meter
+    stopped, what it keeps at least); one over `budget` is said in `reasons`."""
     figure = known.get((key, name))
     need = None if figure is None else grads + figure.need(samples)
     if need is not None and budget is not None and need > budget:
-        reasons.append(f"{name} would keep about {format_bytes(need)} (measured at an earlier step)")
+        about = "at least" if floor else "about"
+        reasons.append(f"{name} would keep {about} {format_bytes(need)} (measured at an earlier step)")
     return need
 
 
