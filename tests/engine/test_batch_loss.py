@@ -757,6 +757,29 @@ def test_dropout_masks_replay_and_gradients_are_exact(mode):
     compare(ref, runs[0], TOL)
 
 
+def test_a_batch_loss_that_draws_draws_the_same_whatever_the_split():
+    """batch_loss_fn sees the whole batch's outputs whatever the split: what it draws, from the step's own stream, is
+    the same at any micro-batch size and under every exact schedule, given the caller's seed (its stream was seeded
+    from the number of micro-batches)."""
+    def noisy_nt_xent(outputs, targets=None):
+        z1, z2 = outputs
+        return nt_xent((z1 + 0.1 * torch.randn_like(z1), z2), targets)
+
+    losses: dict[str, list[torch.Tensor]] = {}
+    for bn, schedule, kind in MODES.values():
+        if bn != "exact":  # each micro-batch's own statistics: the outputs themselves depend on the split
+            continue
+        for b in (2, 3, 8):
+            model = prepared(kind)
+            torch.manual_seed(7)
+            losses.setdefault(kind, []).append(accumnorm.backward(
+                model, views(8), micro_batch_size=b, forward_fn=simclr_forward, batch_loss_fn=noisy_nt_xent,
+                schedule=schedule))
+    for kind, found in losses.items():
+        for loss in found[1:]:
+            torch.testing.assert_close(loss, found[0], rtol=1e-12, atol=0, msg=kind)
+
+
 def test_caller_rng_advances_the_same_whatever_the_split():
     """One draw of the caller's generator per step, whatever the micro-batch size, bn mode and schedule."""
     after = set()

@@ -72,7 +72,9 @@ class StepRng:
         """The one draw from the caller's stream (the DataLoader draws its base seed the same way), and the seeds."""
         base = int(torch.empty((), dtype=torch.int64).random_(generator=torch.default_generator))
         self.after = [g.get_state() for g in self.generators]
-        self.seeds = [_splitmix64(base + k) for k in range(len(self.states))]
+        # The step's own stream from the value before the micro-batches', whatever their number: a loss over the
+        # whole batch draws the same at any split.
+        self.seeds = [_splitmix64(base + k) for k in range(self.own)] + [_splitmix64((base - 1) & _MASK)]
 
     def begin(self, k: int, restart: bool = False) -> None:
         states = self.states[k]
