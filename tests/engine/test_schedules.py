@@ -10,6 +10,7 @@ own float32 error where that is larger (mobilenet_v3_small's running means at ba
 from __future__ import annotations
 
 import copy
+import random
 import re
 import threading
 import warnings
@@ -580,3 +581,35 @@ def test_auto_under_a_process_group_runs_one_schedule_on_every_rank(tmp_path, bu
         assert schedules == ["layerwise"] * 3
     else:
         assert schedules[-1] != "layerwise", schedules
+
+
+class PythonRandomScale(nn.Module):
+    """conv-BN, scaled by a number from Python's random, then a second BatchNorm: a forward that draws outside torch's
+    generators, and so differs each time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.bn2 = nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x):
+        x = self.bn(self.conv(x)) * (1 + random.random())
+        return self.head(self.bn2(x).mean((2, 3)))
+
+
+def test_passes_refuses_a_forward_that_differs_between_its_runs():
+    """Passes runs each forward 2L + 1 times and joins what each run gave (statistics, backward sums, the gradient): a
+    forward that draws from Python's random gave each run another input to the second call, and the gradient mixed
+    them, silently. Each pass's input to its target call, and every call of the full pass, is now checked against
+    the first run's: refused, with nothing changed."""
+    torch.manual_seed(0)
+    model = PythonRandomScale().double()
+    batch = data((1, 6, 6), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="layerwise")
+    snap, state = snapshot(model), torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"micro-batch \d's forward gave BatchNorm call 1 \(BatchNorm2d bn2 over 4 "
+                                         r"channels\) another input in a later pass than in its first.*Nothing was "
+                                         r"changed"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="passes")
+    assert_unchanged(model, snap)
+    assert torch.equal(torch.random.get_rng_state(), state)

@@ -31,10 +31,12 @@ def fingerprint(outputs: list[Tensor]) -> Tensor:
 
 def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
     """Raise `RegionStateChanged(refusal)` unless a recomputation's `outputs` are the forward's, whose fingerprints
-    were `forward`, to the outputs' dtypes' rounding."""
+    were `forward`, to the outputs' dtypes' rounding (a NaN where the forward had one too: an overflow a GradScaler
+    skips the step for is the same overflow again)."""
     again = fingerprint(outputs)
-    if not (again.shape == forward.shape and all(bool(torch.allclose(a, b, rtol=_tolerance(o.dtype), atol=0.0))
-                                                 for a, b, o in zip(again, forward, outputs))):
+    if not (again.shape == forward.shape and all(
+            bool(torch.allclose(a, b, rtol=_tolerance(o.dtype), atol=0.0, equal_nan=True))
+            for a, b, o in zip(again, forward, outputs))):
         raise RegionStateChanged(refusal)
 
 

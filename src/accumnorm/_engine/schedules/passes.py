@@ -35,7 +35,8 @@ from torch import Tensor
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
-from ..checkpointing.frames import end_recomputations_here
+from ..checkpointing.frames import RegionStateChanged, end_recomputations_here
+from ..checkpointing.region_checks import check_outputs, fingerprint
 from ..intercept.calls import BNCall, INCall, StopPass
 from ..memory.budget import Meter
 from ..memory.store import Store
@@ -62,6 +63,8 @@ class _PassCall:
         self.sums: GradSums | None = None
         self.input: Tensor | None = None  # the BN input of the current micro-batch, for sums/correction passes
         self.running: tuple[Tensor, Tensor | None] | None = None  # its running statistics once it moved them
+        # each micro-batch's input to the call, as its statistics pass met it: what every later pass must meet again
+        self.fingerprints: dict[int, Tensor] = {}
 
     @property
     def stats(self) -> Moments:
@@ -123,6 +126,8 @@ class _Passes:
     def _normalized(self, call: _PassCall, i: int, bn: BNCall) -> Tensor:
         """Call i's output in the current pass (or StopPass at the pass's target)."""
         x, w, b, eps = bn.input, bn.weight, bn.bias, bn.eps
+        if i == self.target or self.mode == self.FULL:
+            self._same_input(call, i, x)
         mean, var = (None, None) if call.stats is None else (call.stats.mean, call.stats.var)
         if i == self.target and self.mode in (self.STATS, self.CORRECT):
             if self.mode == self.STATS:
@@ -153,6 +158,27 @@ class _Passes:
         if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
             self.step.regions.enter_forward_call(output)
         return output(x)
+
+    def _same_input(self, call: _PassCall, i: int, x: Tensor) -> None:
+        """The pass's input to call i, against the one its statistics pass met (`region_checks.fingerprint`): checked at
+        each pass's target and at every call of the full pass, so that a forward that draws numbers outside torch's
+        generators, reads state its earlier runs changed, or loses draws of its stream to another thread, is refused
+        rather than back-propagated with the statistics and sums of other runs."""
+        seen = call.fingerprints.get(self.k)
+        if seen is None:
+            call.fingerprints[self.k] = fingerprint([x])
+            return
+        try:
+            check_outputs([x], seen, "")
+        except RegionStateChanged:
+            raise ValueError(
+                f"bn='exact': micro-batch {self.k}'s forward gave BatchNorm call {i} "
+                f"({self.step.describe(call.first)}) another input in a later pass than in its first. The passes "
+                "schedule runs each micro-batch's forward 2L + 1 times and needs the same forward each time: random "
+                "numbers drawn outside torch's generators (Python's random, numpy), state a forward changes for the "
+                "next, or draws another thread takes from torch's default generators while the step runs make each "
+                "run another. Nothing was changed. Draw from torch's generators (a torch.Generator of its own for "
+                "another thread), or use schedule='layerwise', which runs each forward once") from None
 
     def _instance_norm(self, call: INCall) -> Tensor:
         if self.mode == self.FULL:  # each micro-batch's one complete forward
