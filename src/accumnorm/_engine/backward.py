@@ -133,8 +133,8 @@ def backward(
         random numbers of its own, are not reproducible. Another thread's draws are rarely repeated: passes and
         recompute replay a micro-batch's stream, and a draw during a replay, or one that lands in the instant of a
         stream swap, may repeat a value; and a replay then draws other numbers than the forward did (another
-        dropout mask), so that a model with random ops is not exact under them. Give such threads a
-        ``torch.Generator`` of their own. A step cannot run
+        dropout mask), so that a model with random ops is not exact under recompute (passes refuses the step).
+        Give such threads a ``torch.Generator`` of their own. A step cannot run
         inside another's `loss_fn`; a step on another thread can.
 
     .. warning::
