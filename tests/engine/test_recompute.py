@@ -3,6 +3,7 @@ too, through the `schedule` fixture): what it keeps for the backward, its refusa
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from contextlib import nullcontext
 
@@ -852,3 +853,29 @@ def test_a_stack_of_conv_batchnorm_and_in_place_relu_is_recomputed():
         warnings.simplefilter("error")
         exact_vs_whole_batch(ref, ours, data((3, 8, 8), 8, torch.float64), 2, 1e-9, schedule="recompute")
     assert accumnorm.last_schedule(ours).schedule == "recompute"
+
+
+class RandomScaleBlock(nn.Module):
+    """conv-BN scaled by a number from Python's random: a region whose every run differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return x + torch.tanh(self.bn(self.conv(x))) * (1 + random.random())
+
+
+def test_a_region_whose_recomputation_differs_from_its_forward_runs_under_layerwise():
+    """A region's recomputation that draws from Python's random gave other outputs than its forward, and recompute
+    back-propagated through them, silently. Each region's outputs are now fingerprinted in the forward and checked in
+    the recomputation: the step starts over under layerwise, with a warning saying why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), *[RandomScaleBlock() for _ in range(3)],
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)).double()
+    batch = data((1, 6, 6), 8, torch.float64)
+    random.seed(0)
+    with pytest.warns(RuntimeWarning, match="its recomputation gave other outputs than its forward"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "layerwise" and "recomputation gave other outputs" in choice.reason, choice

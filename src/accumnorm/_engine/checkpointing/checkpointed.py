@@ -33,7 +33,8 @@ from torch.utils._pytree import tree_unflatten
 from ..safety import untraced
 from ..safety.flatten import flatten
 from ..safety.threadstate import saved_tensor_hooks
-from .frames import RegionStateChanged, in_recomputation, in_region
+from .again import RegionStateChanged
+from .frames import in_recomputation, in_region
 from .recomputation import Metadata, RegionFrame
 from .regions import Region, Run, record_saved, region_modules
 

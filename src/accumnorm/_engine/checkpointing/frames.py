@@ -17,10 +17,11 @@ from torch import Tensor
 
 from ..memory.budget import Meter
 from ..safety.threadstate import saved_tensor_hooks
+from .again import RegionStateChanged
 from .recomputation import is_recomputation_hook, region_frame
 
-__all__ = ["RegionStateChanged", "end_recomputations_here", "forward_regions", "in_recomputation", "in_region",
-           "in_segment", "keeping_nothing"]
+__all__ = ["end_recomputations_here", "forward_regions", "in_recomputation", "in_region", "in_segment",
+           "keeping_nothing"]
 
 _FORWARD_HOOK = "_checkpoint_hook.__init__.<locals>.pack_hook"
 _RECOMPUTE_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
@@ -72,10 +73,6 @@ def forward_regions(hooks: tuple[tuple[Any, Any], ...]) -> list[Any]:
                                "holds no recompute_fn: it cannot make BatchNorm inside the region exact")
         frames.append(frame)
     return frames
-
-
-class RegionStateChanged(Exception):
-    """A region's forward changed its module's state: recomputing it would not give the forward's tensors."""
 
 
 class _KeepNothing:

@@ -14,7 +14,9 @@ makes itself (the user's own checkpoints stay torch's):
 
 It refuses what torch's refuses, with torch's `CheckpointError`: a recomputation that saves more or fewer tensors,
 or tensors of other metadata. It also refuses an input changed in place since the forward, and a tensor changed
-in place after the recomputation saved it, as autograd refuses for the tensors it keeps itself.
+in place after the recomputation saved it, as autograd refuses for the tensors it keeps itself; and a recomputation
+whose outputs are not the forward's (`again`: a number drawn outside torch's generators, a draw another thread took
+from the region's stream), which would back-propagate through another forward than the one that ran.
 
 Why not torch's: its frame is general (several device types, selective checkpointing, early stop, debug logs),
 and each call walks its arguments with `tree_map` twice, makes a holder and a weak reference per saved tensor, a
@@ -33,10 +35,12 @@ import torch
 from torch import Tensor
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointError
 
 from ..safety import untraced
 from ..safety.threadstate import Modes
+from .again import check_outputs, fingerprint
 
 __all__ = ["RegionFrame", "is_recomputation_hook", "region_frame"]
 
@@ -74,14 +78,17 @@ class RegionFrame:
         self._recomputed: dict[int, list[Any]] = {}  # graph task -> the saved tensors again, each until unpacked
         self._recomputing = False
         self.on_unpack: Callable[[], None] | None = None  # called as the backward reads each saved tensor (`unpack`)
+        self.outputs: Tensor | None = None  # the fingerprints of the forward's tensor outputs (`again`)
 
     def forward(self, fn: Callable[..., Any], inputs: Sequence[Tensor]) -> Any:
         """`fn(*inputs)`, its saved tensors left to the recomputation."""
         _push(self.pack, self.unpack)
         try:
-            return fn(*inputs)
+            out = fn(*inputs)
         finally:
             _pop()
+        self.outputs = fingerprint(_tensors(out))
+        return out
 
     def pack(self, t: Tensor) -> int:
         metadata, key = self.metadata, (t.shape, t.dtype, t.device)
@@ -149,6 +156,16 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
+def _tensors(out: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+
+
+_OTHER_OUTPUTS = ("the recompute schedule runs a region's forward again in the backward, but its recomputation gave "
+                  "other outputs than its forward (a number drawn outside torch's generators, state its forward "
+                  "changed, or draws another thread took from torch's default generators meanwhile): it would not be "
+                  "exact")
+
+
 @untraced.untraced
 def _recompute(frame: RegionFrame) -> list[Any]:
     """The tensors `frame`'s forward saved, made again, with a count of those not yet unpacked at the end."""
@@ -162,10 +179,12 @@ def _recompute(frame: RegionFrame) -> list[Any]:
     _push(hook, _identity)
     try:
         with torch.enable_grad():
-            frame.recompute_fn(*inputs)
+            out = frame.recompute_fn(*inputs)
     finally:
         _pop()
         frame._recomputing = False
+    if frame.outputs is not None:
+        check_outputs(_tensors(out), frame.outputs, _OTHER_OUTPUTS)
     saved, metadata = hook.saved, frame.metadata
     if len(saved) != len(metadata):
         raise CheckpointError("torch.utils.checkpoint: A different number of tensors was saved during the original "

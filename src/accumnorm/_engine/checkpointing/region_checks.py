@@ -1,10 +1,8 @@
 """What a segments region's recomputation in the backward must be for its passes to be exact.
 
 Each pass runs a micro-batch's region again, alone (`region_passes`). That is exact only where the recomputation
-is the forward again: the same outputs, which a fingerprint of each output, taken in the forward, vouches for
-(`RegionStateChanged` where state shared between micro-batches, or randomness outside torch's generators, made
-them differ); and a graph of its own, whose leaves are the region's arguments, its parameters and tensors made
-before the step, with no batch norm the step did not meet.
+is the forward again: the same outputs (`again`); and a graph of its own, whose leaves are the region's arguments,
+its parameters and tensors made before the step, with no batch norm the step did not meet.
 """
 from __future__ import annotations
 
@@ -12,36 +10,11 @@ import torch
 from torch import Tensor
 
 from ..safety.graphs import BATCH_NORM_NODES
-from .frames import RegionStateChanged
+from .again import RegionStateChanged
 
-__all__ = ["fingerprint", "check_outputs", "graph_leaves", "next_sequence_nr"]
+__all__ = ["graph_leaves", "next_sequence_nr"]
 
 next_sequence_nr = torch._C._autograd._get_sequence_nr
-
-
-def fingerprint(outputs: list[Tensor]) -> Tensor:
-    """Two numbers per output, the sum of its values and of their magnitudes, in float64 (a row each): what the last
-    pass's recomputation must give again."""
-    with torch.no_grad():
-        if not outputs:
-            return torch.zeros(0, 2, dtype=torch.float64)
-        return torch.stack([torch.stack([o.sum(dtype=torch.float64), o.abs().sum(dtype=torch.float64)])
-                            for o in outputs])
-
-
-def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
-    """Raise `RegionStateChanged(refusal)` unless a recomputation's `outputs` are the forward's, whose fingerprints
-    were `forward`, to the outputs' dtypes' rounding (a NaN where the forward had one too: an overflow a GradScaler
-    skips the step for is the same overflow again)."""
-    again = fingerprint(outputs)
-    if not (again.shape == forward.shape and all(
-            bool(torch.allclose(a, b, rtol=_tolerance(o.dtype), atol=0.0, equal_nan=True))
-            for a, b, o in zip(again, forward, outputs))):
-        raise RegionStateChanged(refusal)
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    return 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 1e-2
 
 
 def graph_leaves(outputs: list[Tensor], start: int, own: set[int], met: set) -> list[Tensor]:

@@ -32,7 +32,8 @@ from ..bn.replay import CallReplay
 from ..intercept.calls import BNCall, INCall, NormCalls, StopPass
 from ..memory.heap import release_free_memory
 from ..safety.threadstate import Modes, autocast_cache_off, close_checkpoints_left_open
-from .region_checks import check_outputs, fingerprint, graph_leaves, next_sequence_nr
+from .again import check_outputs, fingerprint
+from .region_checks import graph_leaves, next_sequence_nr
 from .regions import region_modules
 
 __all__ = ["RegionNode", "RegionPasses"]

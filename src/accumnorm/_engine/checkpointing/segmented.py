@@ -31,8 +31,9 @@ from ..memory.budget import Meter
 from ..memory.heap import release_free_memory
 from ..safety.flatten import flatten
 from ..safety.threadstate import Modes, saved_tensor_hooks
+from .again import RegionStateChanged
 from .checkpointed import RegionState, patched
-from .frames import RegionStateChanged, in_recomputation, in_region, in_segment, keeping_nothing
+from .frames import in_recomputation, in_region, in_segment, keeping_nothing
 from .region_passes import RegionPasses
 from .regions import Region, region_modules
 

@@ -35,8 +35,8 @@ from torch import Tensor
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
-from ..checkpointing.frames import RegionStateChanged, end_recomputations_here
-from ..checkpointing.region_checks import check_outputs, fingerprint
+from ..checkpointing.again import RegionStateChanged, check_outputs, fingerprint
+from ..checkpointing.frames import end_recomputations_here
 from ..intercept.calls import BNCall, INCall, StopPass
 from ..memory.budget import Meter
 from ..memory.store import Store

@@ -1,0 +1,57 @@
+"""Whether a region's recomputation gave its forward's outputs again, and the refusal where it did not.
+
+A schedule that runs a region's forward again (recompute in its backward, segments in its region passes, passes
+each micro-batch's whole forward) is exact only where the run is the forward again: no number drawn outside torch's
+generators, no state one run changed for the next, no draw another thread took from the step's stream. A fingerprint
+of each output, taken as the forward made it, vouches for the next run's (`check_outputs`, `RegionStateChanged`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["RegionStateChanged", "check_outputs", "fingerprint"]
+
+
+class RegionStateChanged(Exception):
+    """A region's forward changed its module's state, or a run of it gave other outputs than the forward: recomputing
+    it would not give the forward's tensors."""
+
+
+def fingerprint(outputs: list[Tensor]) -> Tensor:
+    """Two numbers per output, the sum of its values and of their magnitudes (a row each, in float64): what a later
+    run must give again."""
+    with torch.no_grad():
+        if not outputs:
+            return torch.zeros(0, 2, dtype=torch.float64)
+        return torch.stack([_sums(o) for o in outputs]).double()
+
+
+def _sums(o: Tensor) -> Tensor:
+    """The sums, reduced in the tensor's own float32 or float64, and in float32 from a lower precision. Not with
+    `dtype=torch.float64` on a float32 tensor: on the CPU that makes a copy of it, twice its size, at the moment a
+    recomputation holds the most."""
+    if not o.is_floating_point():
+        o = o.double()
+    accumulate = None if o.dtype in (torch.float32, torch.float64) else torch.float32
+    return torch.stack([o.sum(dtype=accumulate), torch.linalg.vector_norm(o, 1, dtype=accumulate)])
+
+
+def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
+    """Raise `RegionStateChanged(refusal)` unless a run's `outputs` are the forward's, whose fingerprints were
+    `forward`, to the outputs' dtypes' rounding of their magnitude (a sum that cancels to near zero is judged against
+    the sum of magnitudes, not itself; a NaN where the forward had one too, an overflow a GradScaler skips the step
+    for, is the same overflow again)."""
+    again = fingerprint(outputs)
+    if again.shape != forward.shape or not all(_alike(a, b, _tolerance(o.dtype))
+                                               for a, b, o in zip(again, forward, outputs)):
+        raise RegionStateChanged(refusal)
+
+
+def _alike(a: Tensor, b: Tensor, tolerance: float) -> bool:
+    scale = torch.maximum(a[1].abs(), b[1].abs())
+    return bool(((a == b) | ((a - b).abs() <= tolerance * scale) | (a.isnan() & b.isnan())).all())
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 1e-2
