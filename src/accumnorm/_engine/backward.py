@@ -133,9 +133,9 @@ def backward(
         random numbers of its own, are not reproducible. Another thread's draws are rarely repeated: passes and
         recompute replay a micro-batch's stream, and a draw during a replay, or one that lands in the instant of a
         stream swap, may repeat a value; and a replay then draws other numbers than the forward did (another
-        dropout mask), so that a model with random ops is not exact under recompute (passes refuses the step).
-        Give such threads a ``torch.Generator`` of their own. A step cannot run
-        inside another's `loss_fn`; a step on another thread can.
+        dropout mask): passes refuses the step, recompute and segments run it under layerwise, and a
+        checkpoint of your own is not exact, as in torch. Give such threads a ``torch.Generator`` of their own.
+        A step cannot run inside another's `loss_fn`; a step on another thread can.
 
     .. warning::
         The recompute schedule (which "auto" may choose) runs each checkpointed region's forward again in the
