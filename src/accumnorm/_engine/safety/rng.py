@@ -7,7 +7,7 @@ shuffle. So every step takes one 64-bit draw from the caller's CPU generator, wh
 schedule, derives one seed per micro-batch from it, and leaves the caller's generators (CPU and CUDA)
 as they were after that draw. What the step draws outside the micro-batches' turns (in its backward: a region
 recomputed without `preserve_rng_state`, a hook; in a loss over the whole batch) comes from a stream of the step's
-own, seeded the same way (`outside_turns`).
+own, seeded from the same draw (`outside_turns`).
 
 torch's default generators are process-wide, and other threads draw from them too: the micro-batches'
 streams are in them only for their turns (`begin` to `end`; a schedule whose turns follow one another, as
