@@ -38,15 +38,16 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-class _SigintAfterCommit:
-    """Calls SIGINT's handler, as Python would for a SIGINT landing there, at the n-th moment after the step's
-    commit where Python runs signal handlers: a Python function's start, or the return of a call into C."""
+class _SigintAt:
+    """Calls SIGINT's handler, as Python would for a SIGINT landing there, at the n-th moment while `armed` (after the
+    step's commit, while it takes SIGINT) where Python runs signal handlers: a Python function's start, or the return
+    of a call into C."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.committed, self.seen = n, False, 0
+        self.n, self.armed, self.seen = n, False, 0
 
     def __call__(self, frame, event: str, arg) -> None:
-        if not self.committed or event not in ("call", "c_return"):
+        if not self.armed or event not in ("call", "c_return"):
             return
         self.seen += 1
         if self.seen == self.n + 1:
@@ -73,13 +74,13 @@ def test_a_sigint_as_the_step_commits_undoes_it_or_comes_after_the_return(path, 
             accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=2,
                                **PATHS[path])
 
-    injected: list[_SigintAfterCommit] = []
+    injected: list[_SigintAt] = []
     commit = Transaction.commit
 
     def committing(self) -> None:
         commit(self)
         if injected:
-            injected[-1].committed = True
+            injected[-1].armed = True
 
     monkeypatch.setattr(Transaction, "commit", committing)
     try:
@@ -88,7 +89,7 @@ def test_a_sigint_as_the_step_commits_undoes_it_or_comes_after_the_return(path, 
         late = []
         for n in range(10_000):
             torch.random.set_rng_state(rng)
-            injected.append(_SigintAfterCommit(n))
+            injected.append(_SigintAt(n))
             sys.setprofile(injected[-1])
             try:
                 step()
@@ -104,23 +105,6 @@ def test_a_sigint_as_the_step_commits_undoes_it_or_comes_after_the_return(path, 
         signal.signal(signal.SIGINT, previous)
     assert n > 0
     assert late == [], f"a KeyboardInterrupt with the step's changes made, at moments {late} of {n} after the commit"
-
-
-class _SigintWhileTheStepTakesIt:
-    """Calls SIGINT's handler, as Python would for a SIGINT landing there, at the n-th moment where Python runs
-    signal handlers while the step puts its own SIGINT handler in place (`SigintDeferred.start`)."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.starting, self.seen = n, False, 0
-
-    def __call__(self, frame, event: str, arg) -> None:
-        if not self.starting or event not in ("call", "c_return"):
-            return
-        self.seen += 1
-        if self.seen == self.n + 1:
-            handler = signal.getsignal(signal.SIGINT)
-            if callable(handler):
-                handler(signal.SIGINT, frame)
 
 
 @pytest.mark.parametrize("path", ["layerwise", "micro"])
@@ -139,24 +123,24 @@ def test_a_sigint_as_the_step_takes_sigint_raises_it_and_gives_the_handler_back(
         accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=2,
                            **PATHS[path])
 
-    injected: list[_SigintWhileTheStepTakesIt] = []
+    injected: list[_SigintAt] = []
     start = SigintDeferred.start
 
     def starting(self) -> None:
-        injected[-1].starting = True
+        injected[-1].armed = True
         try:
             start(self)
         finally:
-            injected[-1].starting = False
+            injected[-1].armed = False
 
     monkeypatch.setattr(SigintDeferred, "start", starting)
     try:
-        injected.append(_SigintWhileTheStepTakesIt(-1))
+        injected.append(_SigintAt(-1))
         step()  # gradients to keep
         before = _state(model)
         outcomes = []
         for n in range(1000):
-            injected.append(_SigintWhileTheStepTakesIt(n))
+            injected.append(_SigintAt(n))
             sys.setprofile(injected[-1])
             try:
                 step()
