@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["RegionStateChanged", "check_outputs", "fingerprint"]
+__all__ = ["RegionStateChanged", "check_outputs", "fingerprint", "same_outputs"]
 
 
 class RegionStateChanged(Exception):
@@ -37,14 +37,18 @@ def _sums(o: Tensor) -> Tensor:
     return torch.stack([o.sum(dtype=accumulate), torch.linalg.vector_norm(o, 1, dtype=accumulate)])
 
 
-def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
-    """Raise `RegionStateChanged(refusal)` unless a run's `outputs` are the forward's, whose fingerprints were
-    `forward`, to the outputs' dtypes' rounding of their magnitude (a sum that cancels to near zero is judged against
-    the sum of magnitudes, not itself; a NaN where the forward had one too, an overflow a GradScaler skips the step
-    for, is the same overflow again)."""
+def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
+    """Whether a run's `outputs` are the forward's, whose fingerprints were `forward`, to the outputs' dtypes'
+    rounding of their magnitude (a sum that cancels to near zero is judged against the sum of magnitudes, not itself;
+    a NaN where the forward had one too, an overflow a GradScaler skips the step for, is the same overflow again)."""
     again = fingerprint(outputs)
-    if again.shape != forward.shape or not all(_alike(a, b, _tolerance(o.dtype))
-                                               for a, b, o in zip(again, forward, outputs)):
+    return again.shape == forward.shape and all(_alike(a, b, _tolerance(o.dtype))
+                                                for a, b, o in zip(again, forward, outputs))
+
+
+def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
+    """Raise `RegionStateChanged(refusal)` unless a run's `outputs` are the forward's (`same_outputs`)."""
+    if not same_outputs(outputs, forward):
         raise RegionStateChanged(refusal)
 
 

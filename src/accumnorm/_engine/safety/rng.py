@@ -108,8 +108,7 @@ class StepRng:
         """The block's draws from the step's own stream, unless a turn of the step's is open (then from its stream):
         for what the step runs outside the micro-batches' turns, so that the caller's stream advances by the one
         draw of `start` alone."""
-        holder = _HOLDERS.get(self.slots[0][2])
-        if holder is not None and holder[0] is self:
+        if self._open_turn() is not None:
             yield
             return
         self.begin(self.own)
@@ -124,14 +123,19 @@ class StepRng:
         nothing random ran keep one copy, not one each (the CPU generator's state is 5 KB, per region call and
         micro-batch)."""
         states = [g.get_state() for g in self.generators]
-        holder = _HOLDERS.get(self.slots[0][2])
-        if holder is None or holder[0] is not self:
+        k = self._open_turn()
+        if k is None:
             return states
-        last = self.shared[holder[1]]
+        last = self.shared[k]
         if last:
             states = [old if torch.equal(old, new) else new for old, new in zip(last, states)]
-        self.shared[holder[1]] = states
+        self.shared[k] = states
         return states
+
+    def _open_turn(self) -> int | None:
+        """The stream of this step's that the generators hold now (a micro-batch's, or the step's own), if one."""
+        holder = _HOLDERS.get(self.slots[0][2])
+        return holder[1] if holder is not None and holder[0] is self else None
 
     def rewind(self) -> None:
         """Every micro-batch's stream back to its start, for a schedule that starts the step over."""

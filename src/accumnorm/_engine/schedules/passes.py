@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
-from ..checkpointing.again import RegionStateChanged, check_outputs, fingerprint
+from ..checkpointing.again import fingerprint, same_outputs
 from ..checkpointing.frames import end_recomputations_here
 from ..intercept.calls import BNCall, INCall, StopPass
 from ..memory.budget import Meter
@@ -160,17 +160,14 @@ class _Passes:
         return output(x)
 
     def _same_input(self, call: _PassCall, i: int, x: Tensor) -> None:
-        """The pass's input to call i, against the one its statistics pass met (`region_checks.fingerprint`): checked at
+        """The pass's input to call i, against the one its statistics pass met (`again.same_outputs`): checked at
         each pass's target and at every call of the full pass, so that a forward that draws numbers outside torch's
         generators, reads state its earlier runs changed, or loses draws of its stream to another thread, is refused
         rather than back-propagated with the statistics and sums of other runs."""
         seen = call.fingerprints.get(self.k)
         if seen is None:
             call.fingerprints[self.k] = fingerprint([x])
-            return
-        try:
-            check_outputs([x], seen, "")
-        except RegionStateChanged:
+        elif not same_outputs([x], seen):
             raise ValueError(
                 f"bn='exact': micro-batch {self.k}'s forward gave BatchNorm call {i} "
                 f"({self.step.describe(call.first)}) another input in a later pass than in its first. The passes "
@@ -178,7 +175,7 @@ class _Passes:
                 "numbers drawn outside torch's generators (Python's random, numpy), state a forward changes for the "
                 "next, or draws another thread takes from torch's default generators while the step runs make each "
                 "run another. Nothing was changed. Draw from torch's generators (a torch.Generator of its own for "
-                "another thread), or use schedule='layerwise', which runs each forward once") from None
+                "another thread), or use schedule='layerwise', which runs each forward once")
 
     def _instance_norm(self, call: INCall) -> Tensor:
         if self.mode == self.FULL:  # each micro-batch's one complete forward
