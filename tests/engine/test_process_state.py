@@ -562,6 +562,86 @@ def test_a_second_sigint_while_the_first_waits_for_a_safe_point_is_raised_at_onc
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def _resends_the_caller_sees(monkeypatch: pytest.MonkeyPatch, close_at_once: bool) -> list[int]:
+    """One deferred SIGINT, taken by a safe point right after the timer looked and found it pending, before its send
+    lands; then the step closes (`close_at_once`: while that send is still on its way). Each SIGINT the caller's
+    handler got, during the step or after it."""
+    import time
+
+    from accumnorm._engine.safety import interrupts
+
+    got: list[int] = []
+    caller = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    looked, go = threading.Event(), threading.Event()
+    real_kill = signal.pthread_kill
+
+    def kill(ident: int, signum: int) -> None:  # on the timer's thread, once it found the SIGINT still pending
+        looked.set()
+        if close_at_once:
+            time.sleep(0.1)
+        else:
+            go.wait(10)
+        real_kill(ident, signum)
+
+    monkeypatch.setattr(signal, "pthread_kill", kill)
+    monkeypatch.setattr(interrupts, "_RESEND_S", 0.01)
+    torch_frame = eval("__import__('sys')._getframe()", {"__name__": "torch.fake"})
+    deferred = interrupts.SigintDeferred()
+    try:
+        deferred.start()
+        deferred._record(signal.SIGINT, torch_frame)  # deferred: the timer starts
+        assert looked.wait(10)
+        deferred.check()  # the safe point: the caller's handler, once
+        if not close_at_once:
+            go.set()
+            time.sleep(0.2)  # the send lands, in the step
+        deferred.close()
+        time.sleep(0.3)  # and anything else the timer sent, after it
+    finally:
+        go.set()
+        deferred.close()
+        signal.signal(signal.SIGINT, caller)
+    return got
+
+
+@pytest.mark.realtime
+@pytest.mark.parametrize("close_at_once", [False, True], ids=["lands-in-the-step", "lands-as-it-closes"])
+def test_a_deferred_sigint_sent_again_as_a_safe_point_takes_it_comes_once(monkeypatch, close_at_once):
+    """The timer sends a deferred SIGINT again until a safe point takes it. One that lands after the safe point took
+    it, in the step or as the step gives SIGINT back, is the same Ctrl-C: the caller's handler runs once."""
+    assert _resends_the_caller_sees(monkeypatch, close_at_once) == [signal.SIGINT]
+
+
+def test_a_second_sigint_as_the_step_gives_sigint_back_still_gives_it_back(monkeypatch):
+    """`signal.signal` runs the handler of a SIGINT the process holds before it sets the new one. A second Ctrl-C held
+    as the step gives SIGINT back, while the first waits for a safe point, would be raised at once by the step's
+    handler, inside `signal.signal`, which then set nothing: the step's handler would stay, for good. It is raised
+    once SIGINT is the caller's again."""
+    from accumnorm._engine.safety import interrupts
+
+    torch_frame = eval("__import__('sys')._getframe()", {"__name__": "torch.fake"})
+    real_signal = signal.signal
+
+    def signal_with_one_held(signum: int, handler: object) -> object:
+        installed = signal.getsignal(signum)
+        if callable(installed) and installed is not handler:
+            installed(signum, sys._getframe())  # the held SIGINT, landing in the user's code
+        return real_signal(signum, handler)
+
+    deferred = interrupts.SigintDeferred()
+    deferred.start()
+    deferred._record(signal.SIGINT, torch_frame)  # the first, deferred
+    monkeypatch.setattr(signal, "signal", signal_with_one_held)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            deferred.close()
+    finally:
+        monkeypatch.undo()
+        installed = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert installed is signal.default_int_handler
+
+
 def test_a_sigint_in_a_weakref_callback_during_a_step_waits_for_a_safe_point():
     """A weakref callback (a WeakKeyDictionary's, a WeakSet's), run as a step frees tensors, is where the interpreter
     swallows an exception ("Exception ignored in"): a SIGINT landing there would be lost, so it waits for the step's

@@ -14,7 +14,9 @@ is not deferred where that danger is not: when the code it interrupts is neither
 still waits for a safe point is handled at once wherever it lands. A deferred SIGINT is also sent again every
 quarter second until a safe point takes it: one that landed in a callback the interpreter ran between two lines
 of the user's (a weakref callback during a collection) and was deferred there, right before the user's code
-blocks, then reaches the wait, where it is handled at once.
+blocks, then reaches the wait, where it is handled at once. A SIGINT sent again after a safe point took it (the
+timer looked in the instant before) is that one, already raised: it is dropped, and the step waits for the timer
+before it gives SIGINT back, so that nothing sent again arrives after the step.
 
 The previous handler comes back when the step ends; a Python handler of the caller's is the one called.
 Off the main thread (where no KeyboardInterrupt arrives) and with SIGINT ignored, nothing is changed.
@@ -50,8 +52,10 @@ class SigintDeferred:
     def __init__(self) -> None:
         self.previous: Any = None
         self.pending: tuple[int, FrameType | None] | None = None
-        self.resent = False  # the SIGINT arriving now is the deferred one, sent again (`_resend`)
+        # The deferred SIGINT the timer sent again (`_resend`): the SIGINT arriving next is that one
+        self.resent_for: tuple[int, FrameType | None] | None = None
         self.timer: threading.Timer | None = None
+        self.closing = False  # `close` runs: a SIGINT is only recorded, and raised at its end
 
     def start(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -64,10 +68,13 @@ class SigintDeferred:
             signal.signal(signal.SIGINT, untraced.wrap(self._record))
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        resent, self.resent = self.resent, False
-        if (self.pending is None or resent) and _in_torch(frame):
+        resent_for, self.resent_for = self.resent_for, None
+        if resent_for is not None and resent_for is not self.pending:
+            return  # a safe point took the deferred SIGINT while the timer sent it again: it was raised there
+        if self.closing or ((self.pending is None or resent_for is not None) and _in_torch(frame)):
             self.pending = (signum, frame)
-            self._send_again_soon()
+            if not self.closing:
+                self._send_again_soon()
             return
         self.pending = None
         self.previous(signum, frame)
@@ -79,8 +86,9 @@ class SigintDeferred:
 
     def _resend(self) -> None:
         """On the timer's thread: the deferred SIGINT to the main thread again, if no safe point took it yet."""
-        if self.pending is not None and self.previous is not None:
-            self.resent = True
+        pending = self.pending
+        if pending is not None and self.previous is not None:
+            self.resent_for = pending
             if hasattr(signal, "pthread_kill"):  # to the main thread itself, so that a wait there is interrupted
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
             else:
@@ -94,11 +102,20 @@ class SigintDeferred:
             self.previous(signum, frame)
 
     def close(self) -> None:
-        """Give SIGINT back to the previous handler, then handle one that arrived meanwhile."""
+        """Give SIGINT back to the previous handler, then handle one that arrived meanwhile.
+
+        Until the handler is given back a SIGINT is only recorded, so that nothing raised stops the giving back: the
+        timer is stopped and waited for (what it sent arrives now, not after the step), and `signal.signal` runs a
+        SIGINT the process still holds before it sets the handler."""
+        if self.previous is None:
+            return
+        self.closing = True
         if self.timer is not None:
             self.timer.cancel()
+            self.timer.join()
             self.timer = None
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        signal.signal(signal.SIGINT, self.previous)
+        try:
             self.check()
+        finally:
             self.previous = None
