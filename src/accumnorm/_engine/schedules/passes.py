@@ -26,8 +26,6 @@ before the full pass, would count once per pass: refused.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,6 +43,7 @@ from ..step.outputs import OutputGrads, without_graph
 from ..step.running import RunningStatistics
 from ..step.step import Step
 from .base import Schedule
+from .passes_refusals import another_input, has_backward_hooks, not_the_same, torchs_refusals_said
 
 __all__ = ["Passes"]
 
@@ -88,14 +87,14 @@ class _Passes:
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
-                _torchs_refusals_said():
+                torchs_refusals_said():
             self._statistics()
             if self.step.objective.whole:
                 self._output_gradients()
             self.grads_before = self.step.grad_versions()
             # The bottom half gets correction passes; with a module's full backward hook in the model, none does: such
             # a hook sees no gradient that enters the module's input without leaving its output, as a correction does.
-            t = 0 if _has_backward_hooks(self.step.model) else len(self.calls) // 2
+            t = 0 if has_backward_hooks(self.step.model) else len(self.calls) // 2
             for j in reversed(range(t, len(self.calls))):
                 self._sums_pass(j)
             self._full_pass(t)
@@ -110,7 +109,7 @@ class _Passes:
             # The first time a forward gets this deep: a new call (its input without the graph below, which goes).
             self.calls.append(_PassCall(dataclasses.replace(bn, input=bn.input.detach())))
         if i >= len(self.calls):
-            raise self._not_the_same(self.k, f"BatchNorm call {i} ({self.step.describe(bn)})")
+            raise not_the_same(self.k, f"BatchNorm call {i} ({self.step.describe(bn)})", len(self.calls))
         call = self.calls[i]
         # Each micro-batch's forward is its own call of torch's, but they are pieces of one call of the whole batch:
         # autocast and the grad mode must agree (a piece under no_grad would leave its rows out of the call's backward
@@ -168,14 +167,7 @@ class _Passes:
         if seen is None:
             call.fingerprints[self.k] = fingerprint([x])
         elif not same_outputs([x], seen):
-            raise ValueError(
-                f"bn='exact': micro-batch {self.k}'s forward gave BatchNorm call {i} "
-                f"({self.step.describe(call.first)}) another input in a later pass than in its first. The passes "
-                "schedule runs each micro-batch's forward 2L + 1 times and needs the same forward each time: random "
-                "numbers drawn outside torch's generators (Python's random, numpy), state a forward changes for the "
-                "next, or draws another thread takes from torch's default generators while the step runs make each "
-                "run another. Nothing was changed. Draw from torch's generators (a torch.Generator of its own for "
-                "another thread), or use schedule='layerwise', which runs each forward once")
+            raise another_input(self.k, i, self.step.describe(call.first))
 
     def _instance_norm(self, call: INCall) -> Tensor:
         if self.mode == self.FULL:  # each micro-batch's one complete forward
@@ -212,18 +204,8 @@ class _Passes:
         finally:
             self.forwarding = False
         if self.index != len(self.calls):
-            raise self._not_the_same(k, f"{self.index} BatchNorm calls")
+            raise not_the_same(k, f"{self.index} BatchNorm calls", len(self.calls))
         return loss
-
-    def _not_the_same(self, k: int, made: str) -> ValueError:
-        """The refusal of micro-batch k's forward, which `made` other batch-statistics calls than the first run's."""
-        first = "its forward made the first time" if k == 0 else "micro-batch 0 made"
-        return ValueError(
-            f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order each time its "
-            f"forward runs, but micro-batch {k} made {made} where {first} {len(self.calls)}. The passes schedule runs "
-            "each micro-batch's forward 2L + 1 times: a function that changes the model (model.eval(), a module's "
-            "attribute) changes the runs after it. Nothing was changed. Use schedule='layerwise', which runs each "
-            "forward once")
 
     def _statistics(self) -> None:
         """Passes 1..L: whole-batch statistics, one BN call deeper per pass, until a forward completes."""
@@ -295,35 +277,6 @@ class _Passes:
             mean, inv = call.stats.mean, invstd(call.stats.var, first.eps)
             correction = call.sums.correction(x.detach().to(mean.dtype), mean, inv, scale(inv, first.weight))
             self.step.backward(x, [correction.to(x.dtype)])
-
-
-@contextmanager
-def _torchs_refusals_said() -> Iterator[None]:
-    """torch's errors for what the passes schedule's backwards cannot do, said as what they mean here: a second backward
-    through a graph made before the step, and a backward of part of a graph (`inputs=`) through a reentrant
-    checkpoint."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "use_reentrant=True" in str(e):
-            raise ValueError(
-                "bn='exact': the passes schedule back-propagates parts of each micro-batch's graph (a backward with "
-                "inputs=, down to a BatchNorm call's input), which torch refuses through "
-                "torch.utils.checkpoint(..., use_reentrant=True). Nothing was changed. Use "
-                "torch.utils.checkpoint(..., use_reentrant=False), or schedule='layerwise', 'recompute' or 'segments', "
-                "which back-propagate each micro-batch once") from e
-        if "backward through the graph a second time" not in str(e):
-            raise
-        raise ValueError(
-            "bn='exact': the passes schedule back-propagates each micro-batch several times, and a loss_fn's tensor "
-            "whose graph was made before the step (a regularizer computed once outside loss_fn, a weight under "
-            "torch.nn.utils.parametrize.cached()) was back-propagated a second time. Nothing was changed. Make it "
-            "inside loss_fn, or use schedule='layerwise', which runs each forward once") from e
-
-
-def _has_backward_hooks(model: torch.nn.Module) -> bool:
-    """Whether a full backward hook (one that sees grad_input) may run on a module of the model."""
-    return bool(torch.nn.modules.module._global_backward_hooks) or any(m._backward_hooks for m in model.modules())
 
 
 class Passes(Schedule):

@@ -1,0 +1,63 @@
+"""What the passes schedule refuses, and how it says so: each micro-batch's forward runs 2L + 1 times, and must be
+the same forward each time; its backwards run on parts of each graph, more than once."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["another_input", "has_backward_hooks", "not_the_same", "torchs_refusals_said"]
+
+
+@contextmanager
+def torchs_refusals_said() -> Iterator[None]:
+    """torch's errors for what the passes schedule's backwards cannot do, said as what they mean here: a second backward
+    through a graph made before the step, and a backward of part of a graph (`inputs=`) through a reentrant
+    checkpoint."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "use_reentrant=True" in str(e):
+            raise ValueError(
+                "bn='exact': the passes schedule back-propagates parts of each micro-batch's graph (a backward with "
+                "inputs=, down to a BatchNorm call's input), which torch refuses through "
+                "torch.utils.checkpoint(..., use_reentrant=True). Nothing was changed. Use "
+                "torch.utils.checkpoint(..., use_reentrant=False), or schedule='layerwise', 'recompute' or 'segments', "
+                "which back-propagate each micro-batch once") from e
+        if "backward through the graph a second time" not in str(e):
+            raise
+        raise ValueError(
+            "bn='exact': the passes schedule back-propagates each micro-batch several times, and a loss_fn's tensor "
+            "whose graph was made before the step (a regularizer computed once outside loss_fn, a weight under "
+            "torch.nn.utils.parametrize.cached()) was back-propagated a second time. Nothing was changed. Make it "
+            "inside loss_fn, or use schedule='layerwise', which runs each forward once") from e
+
+
+def has_backward_hooks(model: torch.nn.Module) -> bool:
+    """Whether a full backward hook (one that sees grad_input) may run on a module of the model."""
+    return bool(torch.nn.modules.module._global_backward_hooks) or any(m._backward_hooks for m in model.modules())
+
+
+def not_the_same(k: int, made: str, calls: int) -> ValueError:
+    """The refusal of micro-batch k's forward, which `made` other batch-statistics calls than the first run's
+    `calls`."""
+    first = "its forward made the first time" if k == 0 else "micro-batch 0 made"
+    return ValueError(
+        f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order each time its "
+        f"forward runs, but micro-batch {k} made {made} where {first} {calls}. The passes schedule runs "
+        "each micro-batch's forward 2L + 1 times: a function that changes the model (model.eval(), a module's "
+        "attribute) changes the runs after it. Nothing was changed. Use schedule='layerwise', which runs each "
+        "forward once")
+
+
+def another_input(k: int, i: int, call: str) -> ValueError:
+    """The refusal of micro-batch k's forward, which gave BatchNorm call i (`call`, described) another input in a later
+    pass than in its first."""
+    return ValueError(
+        f"bn='exact': micro-batch {k}'s forward gave BatchNorm call {i} ({call}) another input in a later pass than "
+        "in its first. The passes schedule runs each micro-batch's forward 2L + 1 times and needs the same forward "
+        "each time: random numbers drawn outside torch's generators (Python's random, numpy), state a forward "
+        "changes for the next, or draws another thread takes from torch's default generators while the step runs "
+        "make each run another. Nothing was changed. Draw from torch's generators (a torch.Generator of its own for "
+        "another thread), or use schedule='layerwise', which runs each forward once")
