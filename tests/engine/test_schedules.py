@@ -613,3 +613,30 @@ def test_passes_refuses_a_forward_that_differs_between_its_runs():
         accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="passes")
     assert_unchanged(model, snap)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def _loss_with_python_random(model, batch):
+    """The loss scaled by a number from Python's random, after the last BatchNorm call: a loss that differs each time
+    the forward runs, with every BatchNorm call's input the same."""
+    return ce_loss(model, batch) * (1 + random.random())
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["loss", "whole-batch-loss"])
+def test_passes_refuses_a_loss_that_differs_between_its_runs(whole):
+    """Passes takes the backward sums of the top BatchNorm calls from passes of their own and the gradient from its full
+    pass: a loss that differs between those runs (Python's random after the last BatchNorm call, which no call's
+    input shows) mixed two losses into one gradient, silently. Each complete run's loss (or outputs, with a loss of
+    the whole batch) is checked against the first run's: refused, with nothing changed."""
+    torch.manual_seed(0)
+    model = vgg().double()
+    x, y = data((1, 16, 16), 8, torch.float64)
+    snap, state = snapshot(model), torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"micro-batch \d's forward gave another (loss|outputs) in a later pass than "
+                                         r"in its first.*Nothing was changed"):
+        if whole:
+            accumnorm.backward(model, x, micro_batch_size=2, schedule="passes", targets=y,
+                               forward_fn=lambda m, b: m(b) * (1 + random.random()), batch_loss_fn=F.cross_entropy)
+        else:
+            accumnorm.backward(model, (x, y), _loss_with_python_random, micro_batch_size=2, schedule="passes")
+    assert_unchanged(model, snap)
+    assert torch.equal(torch.random.get_rng_state(), state)

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
-from ..checkpointing.again import fingerprint, same_outputs
 from ..checkpointing.frames import end_recomputations_here
 from ..intercept.calls import BNCall, INCall, StopPass
 from ..memory.budget import Meter
@@ -43,7 +43,14 @@ from ..step.outputs import OutputGrads, without_graph
 from ..step.running import RunningStatistics
 from ..step.step import Step
 from .base import Schedule
-from .passes_refusals import another_input, has_backward_hooks, not_the_same, torchs_refusals_said
+from .passes_refusals import (
+    SameRuns,
+    another_input,
+    another_result,
+    has_backward_hooks,
+    not_the_same,
+    torchs_refusals_said,
+)
 
 __all__ = ["Passes"]
 
@@ -62,8 +69,6 @@ class _PassCall:
         self.sums: GradSums | None = None
         self.input: Tensor | None = None  # the BN input of the current micro-batch, for sums/correction passes
         self.running: tuple[Tensor, Tensor | None] | None = None  # its running statistics once it moved them
-        # each micro-batch's input to the call, as its statistics pass met it: what every later pass must meet again
-        self.fingerprints: dict[int, Tensor] = {}
 
     @property
     def stats(self) -> Moments:
@@ -83,6 +88,7 @@ class _Passes:
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
         self.grads_before = step.grad_versions()  # the parameters' .grad before the full pass
+        self.runs = SameRuns()  # each micro-batch's BatchNorm inputs and loss, as its first run gave them
         self.running = RunningStatistics()
 
     def run(self) -> None:
@@ -125,8 +131,8 @@ class _Passes:
     def _normalized(self, call: _PassCall, i: int, bn: BNCall) -> Tensor:
         """Call i's output in the current pass (or StopPass at the pass's target)."""
         x, w, b, eps = bn.input, bn.weight, bn.bias, bn.eps
-        if i == self.target or self.mode == self.FULL:
-            self._same_input(call, i, x)
+        if (i == self.target or self.mode == self.FULL) and not self.runs.same(i, self.k, [x]):
+            raise another_input(self.k, i, self.step.describe(call.first))
         mean, var = (None, None) if call.stats is None else (call.stats.mean, call.stats.var)
         if i == self.target and self.mode in (self.STATS, self.CORRECT):
             if self.mode == self.STATS:
@@ -157,17 +163,6 @@ class _Passes:
         if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
             self.step.regions.enter_forward_call(output)
         return output(x)
-
-    def _same_input(self, call: _PassCall, i: int, x: Tensor) -> None:
-        """The pass's input to call i, against the one its statistics pass met (`again.same_outputs`): checked at
-        each pass's target and at every call of the full pass, so that a forward that draws numbers outside torch's
-        generators, reads state its earlier runs changed, or loses draws of its stream to another thread, is refused
-        rather than back-propagated with the statistics and sums of other runs."""
-        seen = call.fingerprints.get(self.k)
-        if seen is None:
-            call.fingerprints[self.k] = fingerprint([x])
-        elif not same_outputs([x], seen):
-            raise another_input(self.k, i, self.step.describe(call.first))
 
     def _instance_norm(self, call: INCall) -> Tensor:
         if self.mode == self.FULL:  # each micro-batch's one complete forward
@@ -205,6 +200,8 @@ class _Passes:
             self.forwarding = False
         if self.index != len(self.calls):
             raise not_the_same(k, f"{self.index} BatchNorm calls", len(self.calls))
+        if not self.runs.same(None, k, [t for t in tree_leaves(loss) if isinstance(t, Tensor)]):
+            raise another_result(k, "outputs" if self.step.objective.whole else "loss")
         return loss
 
     def _statistics(self) -> None:

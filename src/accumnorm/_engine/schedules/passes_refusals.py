@@ -6,8 +6,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import Tensor
 
-__all__ = ["another_input", "has_backward_hooks", "not_the_same", "torchs_refusals_said"]
+from ..checkpointing.again import fingerprint, same_outputs
+
+__all__ = ["SameRuns", "another_input", "another_result", "has_backward_hooks", "not_the_same", "torchs_refusals_said"]
 
 
 @contextmanager
@@ -39,6 +42,26 @@ def has_backward_hooks(model: torch.nn.Module) -> bool:
     return bool(torch.nn.modules.module._global_backward_hooks) or any(m._backward_hooks for m in model.modules())
 
 
+class SameRuns:
+    """What each run of a micro-batch's forward must give again: its input to each BatchNorm call and its loss (or
+    outputs), against its first run's (`again.same_outputs`). Checked at each pass's target, at every call of the full
+    pass, and at the end of every complete run, so that a forward that draws numbers outside torch's generators, reads
+    state its earlier runs changed, or loses draws of its stream to another thread, is refused rather than
+    back-propagated with the statistics, sums and losses of other runs."""
+
+    def __init__(self) -> None:
+        self.first: dict[tuple[int | None, int], Tensor] = {}  # (BatchNorm call, or None: the loss; micro-batch)
+
+    def same(self, where: int | None, k: int, tensors: list[Tensor]) -> bool:
+        """Whether micro-batch k's `tensors` at `where` (a BatchNorm call's index, or None for its loss) are its
+        first run's there; the first run's are kept."""
+        seen = self.first.get((where, k))
+        if seen is None:
+            self.first[(where, k)] = fingerprint(tensors)
+            return True
+        return same_outputs(tensors, seen)
+
+
 def not_the_same(k: int, made: str, calls: int) -> ValueError:
     """The refusal of micro-batch k's forward, which `made` other batch-statistics calls than the first run's
     `calls`."""
@@ -61,3 +84,14 @@ def another_input(k: int, i: int, call: str) -> ValueError:
         "changes for the next, or draws another thread takes from torch's default generators while the step runs "
         "make each run another. Nothing was changed. Draw from torch's generators (a torch.Generator of its own for "
         "another thread), or use schedule='layerwise', which runs each forward once")
+
+
+def another_result(k: int, what: str) -> ValueError:
+    """The refusal of micro-batch k's forward, which gave another `what` ("loss", "outputs") in a later pass than in
+    its first."""
+    return ValueError(
+        f"bn='exact': micro-batch {k}'s forward gave another {what} in a later pass than in its first, with the same "
+        "input at every BatchNorm call. The passes schedule runs each micro-batch's forward 2L + 1 times and "
+        "back-propagates several of those runs: they must give one loss. Random numbers drawn outside torch's "
+        "generators (Python's random, numpy) or state a forward changes for the next make each run another. Nothing "
+        "was changed. Draw from torch's generators, or use schedule='layerwise', which runs each forward once")
