@@ -1,6 +1,7 @@
 """The forwards torch's own layers get for a step (`_engine/intercept/forwards.py`): the BatchNorm one follows
 torch's `_BatchNorm.forward` line for line, so torch changing its own must not pass unseen."""
 import copy
+import functools
 import hashlib
 import inspect
 
@@ -11,7 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import accumnorm
 from accumnorm._engine.intercept.forwards import TORCH_FORWARD_SHA256
-from helpers import assert_unchanged, ce_loss, exact_vs_whole_batch, snapshot
+from helpers import EXACT_SCHEDULES, assert_unchanged, ce_loss, exact_vs_whole_batch, snapshot
 
 
 def test_torchs_batchnorm_forward_is_the_one_the_step_forward_follows():
@@ -57,3 +58,27 @@ def test_a_batchnorm_layer_missing_a_buffer_it_tracks_fails_as_in_torch_and_chan
     with pytest.raises(AttributeError, match="num_batches_tracked"):
         accumnorm.backward(model, batch, ce_loss, micro_batch_size=4, schedule="layerwise")
     assert_unchanged(model, before)
+
+
+def _clamped(forward):
+    """A class forward as a library patches it in: the same layer's output, clamped; `functools.wraps` keeps torch's
+    name and module."""
+    @functools.wraps(forward)
+    def patched(self, *args):
+        return forward(self, *args).clamp(-0.5, 0.5)
+    return patched
+
+
+@pytest.mark.parametrize("schedule", EXACT_SCHEDULES)
+@pytest.mark.parametrize("patched", ["BatchNorm2d", "_BatchNorm", "Conv2d"])
+def test_a_layer_class_whose_forward_was_patched_runs_the_patch(monkeypatch, patched, schedule):
+    """The step gives torch's layers forwards of its own that stand in for torch's code. A class whose forward a
+    library patched (a wrapper of torch's, set on the class) is not torch's code: the step ran its own BatchNorm
+    forward instead, without the patch, and the loss and gradients were silently another model's. Such a layer runs
+    its class's forward, under the step's mode, as a subclass's does."""
+    owner = {"BatchNorm2d": nn.BatchNorm2d, "_BatchNorm": _BatchNorm, "Conv2d": nn.Conv2d}[patched]
+    monkeypatch.setattr(owner, "forward", _clamped(owner.forward))
+    ref = _digits_net(nn.BatchNorm2d(4))
+    ours = copy.deepcopy(ref)
+    batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    exact_vs_whole_batch(ref, ours, batch, micro_batch_size=4, tol=1e-10, schedule=schedule)

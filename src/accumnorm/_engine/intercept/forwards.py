@@ -18,10 +18,12 @@ come from torch's own layers, whose code is known, so for the length of a step:
 Each forward is a method of the layer's own, bound to it (a deep copy of the layer binds it to the copy),
 and checks that the step's mode is the innermost one; if not (a mode of the user's above it, or no step),
 the class's forward runs as it would have. Layers of any other class run under the mode; a layer that already
-has a forward of its own (a library's wrapper) keeps it.
+has a forward of its own (a library's wrapper) keeps it, and so does a layer whose class forward is not torch's
+code (a library patched the class): its forward is run as a subclass's is, under the mode.
 """
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,9 +68,10 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
         attributes = vars(m)  # set directly: Module.__setattr__'s checks find nothing to do for a method
         if "forward" in attributes:
             continue
-        if type(m) in _PLAIN_LAYERS:
+        cls = type(m)
+        if cls in _PLAIN_LAYERS and _torchs_code(cls.forward):
             attributes["forward"] = types.MethodType(_plain_forward, m)
-        elif type(m) in _BATCH_NORM_LAYERS or isinstance(m, nn.SyncBatchNorm):
+        elif (cls in _BATCH_NORM_LAYERS and _torchs_code(cls.forward)) or isinstance(m, nn.SyncBatchNorm):
             attributes["forward"] = types.MethodType(_batch_norm_forward, m)
         elif isinstance(m, _BatchNorm):
             attributes["forward"] = types.MethodType(_batch_norm_subclass_forward, m)
@@ -80,6 +83,20 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
     finally:
         for m in changed:
             vars(m).pop("forward", None)
+
+
+_TORCH_NN = os.path.dirname(nn.modules.__file__) + os.sep
+_TORCHS: dict[Any, bool] = {}  # each forward of a class above met: whether it is torch's own code
+
+
+def _torchs_code(forward: Any) -> bool:
+    """Whether a layer class's forward is torch's own code in torch.nn.modules, which the step forwards stand in for:
+    not a patch a library set on the class (a wrapper keeps torch's name, not its code)."""
+    known = _TORCHS.get(forward)
+    if known is None:
+        code = getattr(forward, "__code__", None)
+        known = _TORCHS[forward] = code is not None and code.co_filename.startswith(_TORCH_NN)
+    return known
 
 
 @untraced.skip_frames
