@@ -8,6 +8,7 @@ import inspect
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import accumnorm
@@ -60,12 +61,11 @@ def test_a_batchnorm_layer_missing_a_buffer_it_tracks_fails_as_in_torch_and_chan
     assert_unchanged(model, before)
 
 
-def _clamped(forward):
-    """A class forward as a library patches it in: the same layer's output, clamped; `functools.wraps` keeps torch's
-    name and module."""
-    @functools.wraps(forward)
-    def patched(self, *args):
-        return forward(self, *args).clamp(-0.5, 0.5)
+def _clamped(function):
+    """A function as a library patches it in: its output, clamped; `functools.wraps` keeps torch's name and module."""
+    @functools.wraps(function)
+    def patched(*args, **kwargs):
+        return function(*args, **kwargs).clamp(-0.5, 0.5)
     return patched
 
 
@@ -82,3 +82,31 @@ def test_a_layer_class_whose_forward_was_patched_runs_the_patch(monkeypatch, pat
     ours = copy.deepcopy(ref)
     batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
     exact_vs_whole_batch(ref, ours, batch, micro_batch_size=4, tol=1e-10, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["auto", *EXACT_SCHEDULES])
+@pytest.mark.parametrize("name, norm", [("batch_norm", nn.BatchNorm2d), ("instance_norm", nn.InstanceNorm2d)])
+def test_a_replaced_norm_function_of_torchs_is_refused_before_anything_changes(monkeypatch, name, norm, schedule):
+    """A library that replaces F.batch_norm (a wrapper clamping its output, here) made the step's BatchNorm forward
+    skip the wrapper, and the step's own normalization run through it: silently another model's gradients. torch
+    hands a TorchFunctionMode the replacement itself, so no step can tell which part of it to make of the whole
+    batch: refused, naming the function and where the replacement comes from, with nothing changed. So is a
+    replaced F.instance_norm, for an InstanceNorm layer that keeps running statistics."""
+    monkeypatch.setattr(F, name, _clamped(getattr(F, name)))
+    model = _digits_net(norm(4, affine=True, track_running_stats=True))
+    batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"torch.nn.functional.{name} is not torch's own function but a "
+                                         rf"replacement \(from .*test_forwards.py, line \d+\).*Nothing was changed"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=4, schedule=schedule)
+    assert_unchanged(model, before)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=4, schedule=schedule, bn="micro")
+
+
+def test_a_replaced_norm_function_the_model_does_not_call_changes_nothing(monkeypatch):
+    """A replaced F.instance_norm in a model of BatchNorm layers alone: the step meets no call of it, and is exact."""
+    monkeypatch.setattr(F, "instance_norm", _clamped(F.instance_norm))
+    ref = _digits_net(nn.BatchNorm2d(4))
+    ours = copy.deepcopy(ref)
+    batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    exact_vs_whole_batch(ref, ours, batch, micro_batch_size=4, tol=1e-10, schedule="layerwise")

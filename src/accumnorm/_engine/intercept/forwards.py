@@ -37,7 +37,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..safety import untraced
 from .calls import NormCalls
 
-__all__ = ["CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards"]
+__all__ = ["CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards", "torchs_code"]
 
 _C = torch._C
 
@@ -69,9 +69,9 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
         if "forward" in attributes:
             continue
         cls = type(m)
-        if cls in _PLAIN_LAYERS and _torchs_code(cls.forward):
+        if cls in _PLAIN_LAYERS and torchs_code(cls.forward):
             attributes["forward"] = types.MethodType(_plain_forward, m)
-        elif (cls in _BATCH_NORM_LAYERS and _torchs_code(cls.forward)) or isinstance(m, nn.SyncBatchNorm):
+        elif (cls in _BATCH_NORM_LAYERS and torchs_code(cls.forward)) or isinstance(m, nn.SyncBatchNorm):
             attributes["forward"] = types.MethodType(_batch_norm_forward, m)
         elif isinstance(m, _BatchNorm):
             attributes["forward"] = types.MethodType(_batch_norm_subclass_forward, m)
@@ -85,17 +85,18 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
             vars(m).pop("forward", None)
 
 
-_TORCH_NN = os.path.dirname(nn.modules.__file__) + os.sep
-_TORCHS: dict[Any, bool] = {}  # each forward of a class above met: whether it is torch's own code
+_TORCH_NN = os.path.dirname(nn.__file__) + os.sep
+_TORCHS: dict[Any, bool] = {}  # each function met: whether it is torch's own code
 
 
-def _torchs_code(forward: Any) -> bool:
-    """Whether a layer class's forward is torch's own code in torch.nn.modules, which the step forwards stand in for:
-    not a patch a library set on the class (a wrapper keeps torch's name, not its code)."""
-    known = _TORCHS.get(forward)
+def torchs_code(function: Any) -> bool:
+    """Whether `function` (a layer class's forward, a function of torch.nn.functional) is torch's own code in
+    torch.nn, which the step's forwards and mode stand in for: not a patch a library set in its place (a wrapper
+    keeps torch's name, not its code)."""
+    known = _TORCHS.get(function)
     if known is None:
-        code = getattr(forward, "__code__", None)
-        known = _TORCHS[forward] = code is not None and code.co_filename.startswith(_TORCH_NN)
+        code = getattr(function, "__code__", None)
+        known = _TORCHS[function] = code is not None and code.co_filename.startswith(_TORCH_NN)
     return known
 
 

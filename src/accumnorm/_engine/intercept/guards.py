@@ -2,7 +2,8 @@
 
 Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm,
 a torch.compile'd module with fullgraph=True or CUDA graphs, nn.DataParallel's replica threads, a layer that
-declares it through `accumnorm_exact_refusal`), and backward hooks that would hook the met call's node rather than
+declares it through `accumnorm_exact_refusal`, a norm function of torch.nn.functional a library replaced), and
+backward hooks that would hook the met call's node rather than
 the layer's. After it, the step's ledger holds every BatchNorm forward to a call the step saw
 (`step.ledger.check_every_call_seen`).
 """
@@ -12,7 +13,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from .forwards import torchs_code
 
 __all__ = ["gradient_hooks", "has_norm_statistics", "refuse_node_backward_hooks", "refuse_unseen_batch_norms"]
 
@@ -21,7 +25,12 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
     """Refuse, before anything runs, the layers whose batch statistics no schedule could see or make exact
     (`names`: the model's modules, `tree.module_names`)."""
     holders: dict[int, nn.Module] = {}  # id(running_mean) -> the BatchNorm layer holding it
+    calls: set[str] = set()  # the norm functions of torch's whose calls the step meets, by the model's layers
     for m, name in names.items():
+        if isinstance(m, _BatchNorm):
+            calls.add("batch_norm")
+        elif _has_statistics(m):
+            calls.add("instance_norm")
         where = name or "the model"
         if isinstance(m, _BatchNorm) and m.running_mean is not None:
             other = holders.setdefault(id(m.running_mean), m)
@@ -45,6 +54,24 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
         if reason:
             raise ValueError(f"bn='exact' cannot make {type(m).__name__} ({where}) exact under the {schedule} "
                              f"schedule: {reason}")
+    _refuse_replaced_norm_functions(calls)
+
+
+def _refuse_replaced_norm_functions(names: set[str]) -> None:
+    """A library may replace F.batch_norm or F.instance_norm (`names`: those the model's layers call) with a function
+    of its own (a wrapper that casts, clamps or logs around torch's). torch's TorchFunctionMode protocol then hands
+    the step's mode the replacement, not a norm call it can meet at, and which part of it is torch's call, to be made
+    of the whole batch, no step can tell."""
+    for name in sorted(names):
+        function = getattr(F, name)
+        if not torchs_code(function):
+            code = getattr(function, "__code__", None)
+            where = f" (from {code.co_filename}, line {code.co_firstlineno})" if code is not None else ""
+            raise ValueError(
+                f"bn='exact': torch.nn.functional.{name} is not torch's own function but a replacement{where}, "
+                "which the step cannot see through: it meets the micro-batches at torch's own norm calls, and cannot "
+                "tell which part of a replacement to make of the whole batch. Nothing was changed. Put torch's "
+                f"function back while accumnorm.backward runs, or pass bn='micro'")
 
 
 def _refuse_compile_options(m: nn.Module, name: str) -> None:
@@ -126,8 +153,11 @@ def refuse_node_backward_hooks(names: dict[nn.Module, str]) -> None:
 def has_norm_statistics(modules: Iterable[nn.Module]) -> bool:
     """Whether the model (its `modules`) has a layer that normalizes with batch statistics or keeps running ones (an
     InstanceNorm without running statistics normalizes each sample alone: it has none)."""
-    return any(isinstance(m, _BatchNorm) or (isinstance(m, nn.modules.instancenorm._InstanceNorm)
-                                             and m.track_running_stats) for m in modules)
+    return any(_has_statistics(m) for m in modules)
+
+
+def _has_statistics(m: nn.Module) -> bool:
+    return isinstance(m, _BatchNorm) or (isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats)
 
 
 def gradient_hooks(model: nn.Module, schedule: str) -> str | None:
