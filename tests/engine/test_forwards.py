@@ -61,6 +61,16 @@ def test_a_batchnorm_layer_missing_a_buffer_it_tracks_fails_as_in_torch_and_chan
     assert_unchanged(model, before)
 
 
+def test_torchs_own_layers_and_norm_functions_are_known_as_torchs():
+    """The step's own forwards (and exact steps at all) depend on telling torch's code from a patch: every layer class
+    the step stands in for, and the norm functions its mode meets at, must be known as torch's."""
+    from accumnorm._engine.intercept.forwards import _BATCH_NORM_LAYERS, _PLAIN_LAYERS, torchs_code
+
+    assert all(torchs_code(cls.forward) for cls in (*_PLAIN_LAYERS, *_BATCH_NORM_LAYERS))
+    assert torchs_code(F.batch_norm) and torchs_code(F.instance_norm)
+    assert not torchs_code(_clamped(F.batch_norm))
+
+
 def _clamped(function):
     """A function as a library patches it in: its output, clamped; `functools.wraps` keeps torch's name and module."""
     @functools.wraps(function)

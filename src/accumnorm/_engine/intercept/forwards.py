@@ -85,7 +85,9 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
             vars(m).pop("forward", None)
 
 
-_TORCH_NN = os.path.dirname(nn.__file__) + os.sep
+# torch.nn's folder as torch's code objects name it (not `__file__`: a frozen or sourceless install names its code
+# by where it was compiled), from a method no library replaces
+_TORCH_NN = os.path.dirname(os.path.dirname(nn.Module.register_buffer.__code__.co_filename)) + os.sep
 _TORCHS: dict[Any, bool] = {}  # each function met: whether it is torch's own code
 
 
