@@ -3,9 +3,8 @@
 Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm,
 a torch.compile'd module with fullgraph=True or CUDA graphs, nn.DataParallel's replica threads, a layer that
 declares it through `accumnorm_exact_refusal`, a norm function of torch.nn.functional a library replaced), and
-backward hooks that would hook the met call's node rather than
-the layer's. After it, the step's ledger holds every BatchNorm forward to a call the step saw
-(`step.ledger.check_every_call_seen`).
+backward hooks that would hook the met call's node rather than the layer's. After it, the step's ledger holds
+every BatchNorm forward to a call the step saw (`step.ledger.check_every_call_seen`).
 """
 from __future__ import annotations
 
@@ -71,7 +70,7 @@ def _refuse_replaced_norm_functions(names: set[str]) -> None:
                 f"bn='exact': torch.nn.functional.{name} is not torch's own function but a replacement{where}, "
                 "which the step cannot see through: it meets the micro-batches at torch's own norm calls, and cannot "
                 "tell which part of a replacement to make of the whole batch. Nothing was changed. Put torch's "
-                f"function back while accumnorm.backward runs, or pass bn='micro'")
+                "function back while accumnorm.backward runs, or pass bn='micro'")
 
 
 def _refuse_compile_options(m: nn.Module, name: str) -> None:
