@@ -7,15 +7,24 @@ of each output, taken as the forward made it, vouches for the next run's (`check
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["RegionStateChanged", "check_outputs", "fingerprint", "same_outputs"]
+__all__ = ["RegionStateChanged", "check_outputs", "fingerprint", "same_outputs", "tensor_leaves"]
 
 
 class RegionStateChanged(Exception):
     """A region's forward changed its module's state, or a run of it gave other outputs than the forward: recomputing
     it would not give the forward's tensors."""
+
+
+def tensor_leaves(out: Any) -> list[Tensor]:
+    """The tensors of a forward's result (a loss, a tensor, a tuple or dict of them, with other values beside): what
+    its fingerprint is taken of."""
+    return [t for t in tree_leaves(out) if isinstance(t, Tensor)]
 
 
 def fingerprint(outputs: list[Tensor]) -> Tensor:

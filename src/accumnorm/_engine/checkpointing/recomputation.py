@@ -35,12 +35,11 @@ import torch
 from torch import Tensor
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._device import DeviceContext
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointError
 
 from ..safety import untraced
 from ..safety.threadstate import Modes
-from .again import check_outputs, fingerprint
+from .again import check_outputs, fingerprint, tensor_leaves
 
 __all__ = ["RegionFrame", "is_recomputation_hook", "region_frame"]
 
@@ -87,7 +86,7 @@ class RegionFrame:
             out = fn(*inputs)
         finally:
             _pop()
-        self.outputs = fingerprint(_tensors(out))
+        self.outputs = fingerprint(tensor_leaves(out))
         return out
 
     def pack(self, t: Tensor) -> int:
@@ -156,10 +155,6 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
-def _tensors(out: Any) -> list[Tensor]:
-    return [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-
-
 _OTHER_OUTPUTS = ("the recompute schedule runs a region's forward again in the backward, but its recomputation gave "
                   "other outputs than its forward (a number drawn outside torch's generators, state its forward "
                   "changed, or draws another thread took from torch's default generators meanwhile): it would not be "
@@ -184,7 +179,7 @@ def _recompute(frame: RegionFrame) -> list[Any]:
         _pop()
         frame._recomputing = False
     if frame.outputs is not None:
-        check_outputs(_tensors(out), frame.outputs, _OTHER_OUTPUTS)
+        check_outputs(tensor_leaves(out), frame.outputs, _OTHER_OUTPUTS)
     saved, metadata = hook.saved, frame.metadata
     if len(saved) != len(metadata):
         raise CheckpointError("torch.utils.checkpoint: A different number of tensors was saved during the original "

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_leaves
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
+from ..checkpointing.again import tensor_leaves
 from ..checkpointing.frames import end_recomputations_here
 from ..intercept.calls import BNCall, INCall, StopPass
 from ..memory.budget import Meter
@@ -200,7 +200,7 @@ class _Passes:
             self.forwarding = False
         if self.index != len(self.calls):
             raise not_the_same(k, f"{self.index} BatchNorm calls", len(self.calls))
-        if not self.runs.same(None, k, [t for t in tree_leaves(loss) if isinstance(t, Tensor)]):
+        if not self.runs.same(None, k, tensor_leaves(loss)):
             raise another_result(k, "outputs" if self.step.objective.whole else "loss")
         return loss
 
