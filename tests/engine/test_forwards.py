@@ -64,7 +64,8 @@ def test_a_batchnorm_layer_missing_a_buffer_it_tracks_fails_as_in_torch_and_chan
 def test_torchs_own_layers_and_norm_functions_are_known_as_torchs():
     """The step's own forwards (and exact steps at all) depend on telling torch's code from a patch: every layer class
     the step stands in for, and the norm functions its mode meets at, must be known as torch's."""
-    from accumnorm._engine.intercept.forwards import _BATCH_NORM_LAYERS, _PLAIN_LAYERS, torchs_code
+    from accumnorm._engine.intercept.forwards import _BATCH_NORM_LAYERS, _PLAIN_LAYERS
+    from accumnorm._engine.intercept.torchs import torchs_code
 
     assert all(torchs_code(cls.forward) for cls in (*_PLAIN_LAYERS, *_BATCH_NORM_LAYERS))
     assert torchs_code(F.batch_norm) and torchs_code(F.instance_norm)
@@ -120,3 +121,78 @@ def test_a_replaced_norm_function_the_model_does_not_call_changes_nothing(monkey
     ours = copy.deepcopy(ref)
     batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
     exact_vs_whole_batch(ref, ours, batch, micro_batch_size=4, tol=1e-10, schedule="layerwise")
+
+
+class _FunctionalBatchNorm(nn.Module):
+    """Batch statistics through a direct F.batch_norm call of a module's own (not a BatchNorm layer)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.rand(channels) + 0.5), nn.Parameter(torch.randn(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, 0.1, 1e-5)
+
+
+def _replacing(name: str, after_forward: bool):
+    """ce_loss, but setting a clamping replacement of F.<name> before the model's forward (as a library that patches
+    on first use) or once the forward is over."""
+    def loss_fn(model, batch):
+        if not after_forward:
+            setattr(F, name, _clamped(_TORCHS[name]))
+        loss = ce_loss(model, batch)
+        if after_forward:
+            setattr(F, name, _clamped(_TORCHS[name]))
+        return loss
+    return loss_fn
+
+
+_TORCHS = {"batch_norm": F.batch_norm, "instance_norm": F.instance_norm}
+
+
+@pytest.mark.parametrize("schedule", ["auto", *EXACT_SCHEDULES])
+@pytest.mark.parametrize("name, norm", [("batch_norm", nn.BatchNorm2d), ("instance_norm", nn.InstanceNorm2d),
+                                        ("batch_norm", _FunctionalBatchNorm)])
+def test_a_norm_function_replaced_during_the_step_is_refused_and_changes_nothing(monkeypatch, name, norm, schedule):
+    """A replacement set by loss_fn itself, after the check before the step (a library patching on first use): whole
+    batch torch runs it, but the step's BatchNorm forwards and met calls did not, and its normalization in the
+    backward did: every schedule was silently another model's. Refused at the first norm call after it, from a
+    layer or a direct call, with nothing changed."""
+    for function in _TORCHS:
+        monkeypatch.setattr(F, function, _TORCHS[function])  # put back after the test, whatever the step set
+    layer = norm(4) if norm is _FunctionalBatchNorm else norm(4, affine=True, track_running_stats=True)
+    model = _digits_net(layer)
+    batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"torch.nn.functional.{name} is not torch's own function but a "
+                                         rf"replacement \(from .*test_forwards.py, line \d+\).*Nothing was changed"):
+        accumnorm.backward(model, batch, _replacing(name, after_forward=False), micro_batch_size=4,
+                           schedule=schedule)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("schedule", EXACT_SCHEDULES)
+def test_a_batch_norm_replaced_after_the_forward_is_never_run_by_the_step(monkeypatch, schedule):
+    """A replacement set once the forward's norm calls are over changes nothing in whole-batch torch, nor in the
+    layerwise step. A schedule that runs the norm calls again (passes' next run of loss_fn, recompute's and segments'
+    regions in the backward) meets the replacement there: refused, with nothing changed."""
+    monkeypatch.setattr(F, "batch_norm", _TORCHS["batch_norm"])
+    ref = _digits_net(nn.BatchNorm2d(4))
+    ours = copy.deepcopy(ref)
+    batch = (torch.randn(12, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (12,)))
+    expected = _replacing("batch_norm", after_forward=True)(ref, batch)
+    expected.backward()
+    F.batch_norm = _TORCHS["batch_norm"]
+    loss_fn = _replacing("batch_norm", after_forward=True)
+    if schedule != "layerwise":
+        before = snapshot(ours)
+        with pytest.raises(ValueError, match=r"torch.nn.functional.batch_norm is not torch's own function"):
+            accumnorm.backward(ours, batch, loss_fn, micro_batch_size=4, schedule=schedule)
+        assert_unchanged(ours, before)
+        return
+    loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=4, schedule=schedule)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-10, atol=0)
+    for p, q in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["GradSums", "NormArgs", "channel_shape", "input_gradient_terms", "invstd", "normalize", "normalize_with",
@@ -71,12 +70,14 @@ def normalize_with(x: Tensor, mean: Tensor, var: Tensor, weight: Tensor | None, 
 
     torch's kernels take a bfloat16/float16 input with float32 parameters, not half-precision parameters with
     float32 statistics: a half-precision model (no autocast) normalizes as torch's BatchNorm would, in float32.
+    torch's op is called as F.batch_norm calls it, not through F: the step's own maths never runs a replacement of
+    F.batch_norm (`torchs`).
     """
     if weight is not None and weight.dtype != mean.dtype:
         weight = weight.to(mean.dtype)
     if bias is not None and bias.dtype != mean.dtype:
         bias = bias.to(mean.dtype)
-    return F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+    return torch.batch_norm(x, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled)
 
 
 class GradSums:

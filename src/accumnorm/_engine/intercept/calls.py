@@ -34,6 +34,7 @@ from ..safety import untraced
 from ..safety.graphs import Graphs
 from ..safety.threadstate import Modes
 from .functions import autograd_function_around
+from .torchs import refuse_replaced_norm_function
 
 __all__ = ["BNCall", "INCall", "NormCalls", "StopPass", "Watch", "batch_statistics_call", "describe", "describe_layer"]
 
@@ -157,6 +158,8 @@ class NormCalls(TorchFunctionMode):
                                                           args, kwargs)
         elif func is _GRAD and not self.gradients:
             return untraced.call(NormCalls.gradient)(self, func, args, kwargs)
+        elif func is F.batch_norm or func is F.instance_norm:  # a replacement, set since the tables were made
+            refuse_replaced_norm_function("batch_norm" if func is F.batch_norm else "instance_norm")
         return func(*args, **kwargs)
 
     @untraced.untraced
@@ -191,6 +194,7 @@ class NormCalls(TorchFunctionMode):
         """An instance-norm call (`a`: its arguments by name), with this mode off the thread's stack: its output."""
         rm = a["running_mean"]
         if a["use_input_stats"] and rm is not None:
+            refuse_replaced_norm_function("instance_norm")  # set by your functions during the step
             out = self.on_instance_norm(INCall(a["input"], rm, a["running_var"], a["weight"], a["bias"],
                                                a["momentum"], a["eps"], self._owner(rm)))
         else:
@@ -202,6 +206,7 @@ class NormCalls(TorchFunctionMode):
     def batch_norm(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,  # noqa: A002
                    weight: Tensor | None, bias: Tensor | None, momentum: float | None, eps: float) -> Tensor:
         """A batch-statistics call, with this mode off the thread's stack (as in `__torch_function__`): its output."""
+        refuse_replaced_norm_function("batch_norm")  # set by your functions during the step
         modes = Modes.current()
         self._refuse_where_inexact(modes)
         owner = None if running_mean is None else self.owners.get(id(running_mean))

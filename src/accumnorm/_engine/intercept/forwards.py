@@ -23,7 +23,6 @@ code (a library patched the class): its forward is run as a subclass's is, under
 """
 from __future__ import annotations
 
-import os
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,8 +35,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..safety import untraced
 from .calls import NormCalls
+from .torchs import torchs_code
 
-__all__ = ["CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards", "torchs_code"]
+__all__ = ["CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards"]
 
 _C = torch._C
 
@@ -83,23 +83,6 @@ def step_forwards(modules: list[nn.Module]) -> Iterator[None]:
     finally:
         for m in changed:
             vars(m).pop("forward", None)
-
-
-# torch.nn's folder as torch's code objects name it (not `__file__`: a frozen or sourceless install names its code
-# by where it was compiled), from a method no library replaces
-_TORCH_NN = os.path.dirname(os.path.dirname(nn.Module.register_buffer.__code__.co_filename)) + os.sep
-_TORCHS: dict[Any, bool] = {}  # each function met: whether it is torch's own code
-
-
-def torchs_code(function: Any) -> bool:
-    """Whether `function` (a layer class's forward, a function of torch.nn.functional) is torch's own code in
-    torch.nn, which the step's forwards and mode stand in for: not a patch a library set in its place (a wrapper
-    keeps torch's name, not its code)."""
-    known = _TORCHS.get(function)
-    if known is None:
-        code = getattr(function, "__code__", None)
-        known = _TORCHS[function] = code is not None and code.co_filename.startswith(_TORCH_NN)
-    return known
 
 
 @untraced.skip_frames

@@ -12,10 +12,9 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .forwards import torchs_code
+from .torchs import refuse_replaced_norm_function
 
 __all__ = ["gradient_hooks", "has_norm_statistics", "refuse_node_backward_hooks", "refuse_unseen_batch_norms"]
 
@@ -53,24 +52,8 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
         if reason:
             raise ValueError(f"bn='exact' cannot make {type(m).__name__} ({where}) exact under the {schedule} "
                              f"schedule: {reason}")
-    _refuse_replaced_norm_functions(calls)
-
-
-def _refuse_replaced_norm_functions(names: set[str]) -> None:
-    """A library may replace F.batch_norm or F.instance_norm (`names`: those the model's layers call) with a function
-    of its own (a wrapper that casts, clamps or logs around torch's). torch's TorchFunctionMode protocol then hands
-    the step's mode the replacement, not a norm call it can meet at, and which part of it is torch's call, to be made
-    of the whole batch, no step can tell."""
-    for name in sorted(names):
-        function = getattr(F, name)
-        if not torchs_code(function):
-            code = getattr(function, "__code__", None)
-            where = f" (from {code.co_filename}, line {code.co_firstlineno})" if code is not None else ""
-            raise ValueError(
-                f"bn='exact': torch.nn.functional.{name} is not torch's own function but a replacement{where}, "
-                "which the step cannot see through: it meets the micro-batches at torch's own norm calls, and cannot "
-                "tell which part of a replacement to make of the whole batch. Nothing was changed. Put torch's "
-                "function back while accumnorm.backward runs, or pass bn='micro'")
+    for name in sorted(calls):
+        refuse_replaced_norm_function(name)
 
 
 def _refuse_compile_options(m: nn.Module, name: str) -> None:
