@@ -88,17 +88,20 @@ class Transaction:
     def commit(self) -> None:
         """Add the step's gradients into the caller's (module doc): in place where autograd would add in place, else
         as a new tensor."""
+        in_place = []
         for p, old in (*zip(self.params, self.grads), *self.leaves):
             if old is None:
                 continue
             new = p.grad
             if new is not None and _adds_in_place(old, new):
-                self.merged.append((old, old.clone()))  # before the add: a rollback puts back what it finds here
-                with torch.no_grad():
-                    old.add_(new)
-                p.grad = old
+                in_place.append((p, old, new))
             else:
                 p.grad = old if new is None else old + new
+        with torch.no_grad():
+            for p, old, new in in_place:
+                self.merged.append((old, old.clone()))  # before the add: a rollback puts back what it finds here
+                old.add_(new)
+                p.grad = old
 
     def refuse_parameters_replaced(self) -> None:
         """Raise if a module of the model holds another tensor in a parameter's place than before the step."""
