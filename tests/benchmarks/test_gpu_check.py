@@ -11,6 +11,7 @@ from helpers import child_env
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import gpu_check  # noqa: E402
+from _gpu_steps import verdict  # noqa: E402
 
 
 @pytest.mark.realtime
@@ -23,7 +24,7 @@ def test_without_a_gpu_it_checks_nothing_and_says_so_with_exit_status_77():
 
 def test_a_failing_check_is_one_fail_row_and_the_others_still_run(monkeypatch, capsys):
     def passes(device):
-        return [gpu_check.verdict("fine", "a case", 1e-6, 1e-4)]
+        return [verdict("fine", "a case", 1e-6, 1e-4)]
 
     def raises(device):
         raise RuntimeError("CUDA error: an illegal memory access\nmore lines")
