@@ -354,6 +354,33 @@ def test_two_batch_norms_sharing_running_statistics_are_refused_saying_so(schedu
     assert_unchanged(model, snap)
 
 
+@pytest.mark.parametrize("alias", ["detach", "data"])
+def test_two_batch_norms_with_running_statistics_over_the_same_memory_are_refused(schedule_any, alias):
+    """Two tensors over one memory (`.detach()` of the other's, or `.data` set to it) are one running statistic as
+    much as one tensor is: the identity check let them through, and passes gave other running statistics than the
+    whole batch's, silently."""
+    model = net()
+    for name in ("running_mean", "running_var"):
+        if alias == "detach":
+            setattr(model[4], name, getattr(model[1], name).detach())
+        else:
+            getattr(model[4], name).data = getattr(model[1], name).data
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"the BatchNorm layers 1 and 4 hold the same running_mean tensor, or two "
+                                         r"tensors over the same memory.*Nothing was changed"):
+        accumnorm.backward(model, data((1, 6, 6), 8, torch.float64), ce_loss, micro_batch_size=2,
+                           schedule=schedule_any)
+    assert_unchanged(model, snap)
+
+
+def test_batch_norms_with_lazy_or_empty_running_statistics_are_told_apart():
+    """Lazy layers' running statistics have no memory before their first call: each is its own, not one shared."""
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.LazyBatchNorm2d(), nn.Conv2d(4, 4, 1), nn.LazyBatchNorm2d(),
+                          nn.Flatten(), nn.LazyLinear(10)).double()
+    accumnorm.backward(model, data((1, 6, 6), 8, torch.float64), ce_loss, micro_batch_size=2)
+    assert int(model[1].num_batches_tracked) == int(model[3].num_batches_tracked) == 1
+
+
 def test_a_teacher_in_train_mode_outside_the_model_is_refused_at_its_first_call(schedule_any):
     """A teacher's BatchNorm in train mode, run under no_grad in loss_fn: its running statistics are not the model's,
     which the step could neither update once nor restore. Refused at the teacher's first call, before any other

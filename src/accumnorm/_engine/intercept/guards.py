@@ -9,10 +9,13 @@ every BatchNorm forward to a call the step saw (`step.ledger.check_every_call_se
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 from .torchs import refuse_replaced_norm_function
 
@@ -22,7 +25,7 @@ __all__ = ["gradient_hooks", "has_norm_statistics", "refuse_node_backward_hooks"
 def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> None:
     """Refuse, before anything runs, the layers whose batch statistics no schedule could see or make exact
     (`names`: the model's modules, `tree.module_names`)."""
-    holders: dict[int, nn.Module] = {}  # id(running_mean) -> the BatchNorm layer holding it
+    holders: dict[tuple[Any, ...], nn.Module] = {}  # where a running_mean's values are -> the layer holding it
     calls: set[str] = set()  # the norm functions of torch's whose calls the step meets, by the model's layers
     for m, name in names.items():
         if isinstance(m, _BatchNorm):
@@ -31,12 +34,13 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
             calls.add("instance_norm")
         where = name or "the model"
         if isinstance(m, _BatchNorm) and m.running_mean is not None:
-            other = holders.setdefault(id(m.running_mean), m)
+            other = holders.setdefault(_memory(m.running_mean), m)
             if other is not m:
                 raise ValueError(f"bn='exact': the BatchNorm layers {names[other] or 'the model'} and {where} hold the "
-                                 "same running_mean tensor. The step tells a layer's calls apart by the layer that "
-                                 "holds its running statistics, and could not count these. Nothing was changed. Give "
-                                 "each layer its own running statistics (or call one layer twice), or pass bn='micro'")
+                                 "same running_mean tensor, or two tensors over the same memory (a .detach() or .data "
+                                 "of the other's). The step tells a layer's calls apart by the layer that holds its "
+                                 "running statistics, and could not count these. Nothing was changed. Give each layer "
+                                 "its own running statistics (or call one layer twice), or pass bn='micro'")
         if isinstance(m, torch.jit.ScriptModule) and "BatchNorm" in getattr(m, "original_name", ""):
             raise ValueError(f"bn='exact' cannot see the BatchNorm of the TorchScript module {where} "
                              f"({m.original_name}): TorchScript runs it in C++. Script the model after training, or "
@@ -54,6 +58,18 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
                              f"schedule: {reason}")
     for name in sorted(calls):
         refuse_replaced_norm_function(name)
+
+
+def _memory(t: Tensor) -> tuple[Any, ...]:
+    """Where a tensor's values are: two tensors over the same elements (one a .detach() or .data of the other) are
+    one running statistic; one without elements of its own (a lazy layer's before its first call, an empty, meta or
+    fake tensor) is told apart by identity."""
+    if is_lazy(t) or t.numel() == 0 or t.device.type == "meta":
+        return (id(t),)
+    try:
+        return t.device, t.data_ptr(), t.stride(), t.shape
+    except RuntimeError:
+        return (id(t),)
 
 
 def _refuse_compile_options(m: nn.Module, name: str) -> None:
