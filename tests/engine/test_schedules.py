@@ -640,3 +640,70 @@ def test_passes_refuses_a_loss_that_differs_between_its_runs(whole):
             accumnorm.backward(model, (x, y), _loss_with_python_random, micro_batch_size=2, schedule="passes")
     assert_unchanged(model, snap)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+class _StraightThrough(nn.Module):
+    """A hard one-hot forward whose gradient is a softmax's at temperature `tau`: the value is the same at any
+    temperature, the gradient is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tau = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        soft = F.softmax(x / self.tau, 1)
+        hard = F.one_hot(soft.argmax(1), x.shape[1]).permute(0, 3, 1, 2).to(x.dtype)
+        return hard + soft - soft.detach()
+
+
+def _annealing_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 8, 3), _StraightThrough(), nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), nn.Tanh(),
+                         nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 4 * 4, 10)).double()
+
+
+def _anneal_after_the_forward(model: nn.Module, batch) -> torch.Tensor:
+    loss = ce_loss(model, batch)
+    model[1].tau = 0.3  # the next step's temperature, set once this one's forward is over
+    return loss
+
+
+@pytest.mark.parametrize("schedule", ["passes", "recompute", "segments"])
+def test_an_attribute_loss_fn_sets_after_the_forward_is_not_read_by_a_run_again(schedule):
+    """Whole-batch torch runs the forward once, at the attributes the step found. Passes runs it again for every pass,
+    and a temperature loss_fn set after the first run's forward made the later runs' gradient another one, with every
+    BatchNorm input and the loss the same: silently wrong. Recompute and segments found the change and ran the step
+    again under layerwise, which then read the new temperature: silently wrong after a warning that said otherwise.
+    Each run again now finds the attributes as the step found them; after the step they are as the forward left them."""
+    ref, ours = _annealing_net(), _annealing_net()
+    batch = data((1, 6, 6), 8, torch.float64)
+    expected = _anneal_after_the_forward(ref, batch)
+    expected.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # recompute and segments say they run layerwise instead
+        loss = accumnorm.backward(ours, batch, _anneal_after_the_forward, micro_batch_size=2, schedule=schedule)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    compare(ref, ours, 1e-10)
+    assert ours[1].tau == 0.3
+
+
+def _eval_after_the_forward(model: nn.Module, batch) -> torch.Tensor:
+    loss = ce_loss(model, batch)
+    model.eval()
+    return loss
+
+
+def test_passes_runs_every_forward_in_the_mode_the_step_found_the_model_in():
+    """A loss_fn that puts the model in eval mode once its forward is over: passes' next runs made eval-mode calls,
+    which it refused as calls that differ; each run now starts in the step's modes, exact, and the model is left in
+    eval mode as the forward left it."""
+    torch.manual_seed(0)
+    ref = vgg().double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 16, 16), 8, torch.float64)
+    expected = _eval_after_the_forward(ref, batch)
+    expected.backward()
+    loss = accumnorm.backward(ours, batch, _eval_after_the_forward, micro_batch_size=2, schedule="passes")
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    compare(ref, ours, 1e-10)
+    assert not ours.training and not any(m.training for m in ours.modules())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import types
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_unflatten
 
 from ..safety import untraced
+from ..safety.attributes import differs
 from ..safety.flatten import flatten
 from ..safety.threadstate import saved_tensor_hooks
 from .again import RegionStateChanged
@@ -201,7 +201,7 @@ class RegionState:
         """A forward's call of `region`: note it if its modules' attributes are not the step's."""
         if self.called_otherwise is None:
             for m in self.regions[region]:
-                key = _differs(self.attributes[m], vars(m))
+                key = differs(self.attributes[m], vars(m))
                 if key is not None:
                     self.called_otherwise = (m, key)
                     return
@@ -213,7 +213,7 @@ class RegionState:
 
     def changed(self, names: dict[nn.Module, str]) -> str | None:
         for m, before in self.attributes.items():
-            key = _differs(before, vars(m))
+            key = differs(before, vars(m))
             if key is not None:
                 return f"{type(m).__name__} {names.get(m, '')} set its attribute {key!r}"
         for m, name, b, version in self.buffers:
@@ -224,17 +224,3 @@ class RegionState:
             return (f"{type(m).__name__} {names.get(m, '')} was called with its attribute {key!r} set otherwise than "
                     "it is at the forward's end")
         return None
-
-
-_MISSING = object()
-
-
-def _differs(before: dict[str, Any], now: dict[str, Any]) -> str | None:
-    """The first attribute whose value is not the same object in `now` as in `before`, if any (a check at every
-    region call: the same keys in the same order, each value the same object, is the quick test, in C)."""
-    if len(before) == len(now) and all(map(operator.is_, before.values(), now.values())) and list(before) == list(now):
-        return None
-    return next((key for key in before.keys() | now.keys() if before.get(key, _MISSING) is not now.get(key, _MISSING)),
-                None)  # the same attributes in another order
-
-

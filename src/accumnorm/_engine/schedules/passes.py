@@ -20,7 +20,8 @@ micro-batch's outputs, for the loss's gradient at each). A sums pass costs the n
 correction pass the part below, so the split `t` puts the bottom half under corrections (t = 0 with a module's
 full backward hook, which sees no gradient that enters the module's input without passing its output, as a
 correction does). Memory stays that of one micro-batch. Every pass replays the micro-batch's random numbers
-and runs with grad, as one forward would; a backward inside a forward that reaches a BN call, or the parameters
+and the modules' attributes as the step found them (a flag loss_fn sets is not read by the next run), and runs
+with grad, as one forward would; a backward inside a forward that reaches a BN call, or the parameters
 before the full pass, would count once per pass: refused.
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..checkpointing.frames import end_recomputations_here
 from ..intercept.calls import BNCall, INCall, StopPass
 from ..memory.budget import Meter
 from ..memory.store import Store
+from ..safety.attributes import ModuleAttributes
 from ..safety.threadstate import autocast_cache_off
 from ..step.outputs import OutputGrads, without_graph
 from ..step.running import RunningStatistics
@@ -90,6 +92,7 @@ class _Passes:
         self.grads_before = step.grad_versions()  # the parameters' .grad before the full pass
         self.runs = SameRuns()  # each micro-batch's BatchNorm inputs and loss, as its first run gave them
         self.running = RunningStatistics()
+        self.attributes = ModuleAttributes(step.modules)  # as each run of a forward finds them
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
@@ -104,9 +107,11 @@ class _Passes:
             for j in reversed(range(t, len(self.calls))):
                 self._sums_pass(j)
             self._full_pass(t)
+            finished = ModuleAttributes(self.step.modules)  # as the last complete run left them, for after the step
             for j in reversed(range(t)):
                 self._finish_sums(self.calls[j])
                 self._correction_pass(j)
+            finished.restore()
 
     # ---------------------------------------------------------------- what each BatchNorm call does
     def _batch_norm(self, bn: BNCall) -> Tensor:
@@ -174,10 +179,12 @@ class _Passes:
 
     # ---------------------------------------------------------------- the passes
     def _each(self):
-        """Each micro-batch index, with its random numbers from the start and the call counters reset."""
+        """Each micro-batch index, with its random numbers from the start, the call counters reset and the modules'
+        attributes as the step found them."""
         for k in range(len(self.step.micro_batches)):
             self.k, self.index, self.instance_norms = k, 0, 0
             self.running.restore()
+            self.attributes.restore()
             self.step.rng.begin(k, restart=True)
             try:
                 yield k

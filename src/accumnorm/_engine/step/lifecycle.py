@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..intercept.forwards import step_forwards
 from ..intercept.higher_order import higher_order_ops_in_step, refused_in
+from ..safety.attributes import ModuleAttributes
 from ..safety.interrupts import SigintDeferred
 from ..safety.rng import StepRng
 from ..safety.shared import WhileStepsRun
@@ -90,11 +91,13 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
             return steps[-1]
 
         def start_over(step: Step) -> None:
-            """Undo a schedule's partial run for another to start the step again: gradients, buffers, and every
-            micro-batch's random stream back at its start (the next schedule draws what it would have drawn alone);
-            the run's regions, its `Step` and what its backward left queued let go of before the next begins."""
+            """Undo a schedule's partial run for another to start the step again: gradients, buffers, the modules'
+            attributes (a flag loss_fn set, which the next run would read) and every micro-batch's random stream back
+            at its start (the next schedule draws what it would have drawn alone); the run's regions, its `Step` and
+            what its backward left queued let go of before the next begins."""
             transaction.rollback()
             transaction.begin()
+            attributes.restore()
             step.rng.rewind()
             step.regions.clear()
             steps.remove(step)
@@ -103,7 +106,9 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
         # The collector is back before the commit: a collection it then runs (its callbacks, __del__ methods) runs
         # while the step can still be undone.
         with _COLLECTOR_OFF.held(), _exact_forwards(transaction.modules) if call.exact else nullcontext():
+            attributes = ModuleAttributes(transaction.modules)  # as the schedule's forwards find them
             step = run(new_step, start_over)
+            attributes.close()
         loss = step.losses.result()
         call.collectives.sum_grads_(transaction.params)
         if call.exact:
