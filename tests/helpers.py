@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import pytest
@@ -112,17 +112,19 @@ def sgd_halving(params) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler
 
 
 def train_whole_batch(model: nn.Module, batches, *, max_grad_norm: float = float("inf"),
-                      autocast: torch.dtype | None = None) -> tuple[list[float], list[float]]:
+                      autocast: torch.dtype | None = None,
+                      penalty: Callable[[nn.Module], torch.Tensor] | None = None) -> tuple[list[float], list[float]]:
     """The oracle: plain PyTorch, one forward/backward of each whole batch per step of `sgd_halving`,
-    the gradient clipped to `max_grad_norm`, under CPU autocast to `autocast` if given. Returns the
-    losses and the gradient norms before clipping."""
+    the gradient clipped to `max_grad_norm`, under CPU autocast to `autocast` if given, `penalty(model)` added to
+    the loss back-propagated if given. Returns the losses (without the penalty) and the gradient norms before
+    clipping."""
     optimizer, scheduler = sgd_halving(model.parameters())
     losses, norms = [], []
     for batch in batches:
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
             loss = ce_loss(model, batch)
-        loss.backward()
+        (loss if penalty is None else loss + penalty(model)).backward()
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
         optimizer.step()
         scheduler.step()
@@ -224,14 +226,15 @@ def accelerate_steps(exact, accelerator, model, optimizer, scheduler, batches, m
     return losses
 
 
-def assert_ranks_trained_like_whole_batch(out: Path, world_size: int, oracle: nn.Module, max_grad_norm: float) -> None:
+def assert_ranks_trained_like_whole_batch(out: Path, world_size: int, oracle: nn.Module, max_grad_norm: float,
+                                          penalty: Callable[[nn.Module], torch.Tensor] | None = None) -> None:
     """Each rank's out/rank<r>.pt holds the batches it trained on and its net's final state: joined, the
-    ranks' batches make the global batches, on which `train_whole_batch` must take `oracle` (the net as
-    the ranks started it) to that same state."""
+    ranks' batches make the global batches, on which `train_whole_batch` (with `penalty`) must take `oracle` (the
+    net as the ranks started it) to that same state."""
     ranks = [torch.load(out / f"rank{rank}.pt") for rank in range(world_size)]
     steps = zip(*(r["batches"] for r in ranks), strict=True)
     global_batches = [[torch.cat(parts) for parts in zip(*step, strict=True)] for step in steps]
-    _, norms = train_whole_batch(oracle, global_batches, max_grad_norm=max_grad_norm)
+    _, norms = train_whole_batch(oracle, global_batches, max_grad_norm=max_grad_norm, penalty=penalty)
     assert min(norms) > max_grad_norm  # clipping is part of what is compared
     for got in ranks:
         assert_state_close(got["state"], oracle.state_dict(), 1e-9)

@@ -242,6 +242,11 @@ def tiny_dataset(n: int, dtype: torch.dtype = torch.float64) -> torch.utils.data
     return torch.utils.data.TensorDataset(*data((1, 8, 8), n, dtype))
 
 
+def small_penalty(module: nn.Module) -> torch.Tensor:
+    """A term a LightningModule's training_step adds to the loss it returns: 0.01 times the squared weights."""
+    return 0.01 * sum(p.pow(2).sum() for p in module.parameters())
+
+
 @functools.cache
 def lit_classifier() -> type:
     """A LightningModule class around a classifier `net`, with accumnorm's ExactAccumulation: the optimizer

@@ -24,7 +24,7 @@ from helpers import (
     sgd_halving,
     train_whole_batch,
 )
-from models import TinyUnrolled, lit_classifier, tiny_bn, tiny_dataset
+from models import TinyUnrolled, lit_classifier, small_penalty, tiny_bn, tiny_dataset
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "lightning_ddp.py"
 CLIP = 0.05  # the gradient norm is ~0.1-1 here: every step is clipped
@@ -90,6 +90,27 @@ def test_a_batch_that_training_step_skips_steps_with_no_gradient_as_lightning_do
         optimizer.zero_grad(set_to_none=True)
         if i != skip:
             nn.functional.cross_entropy(oracle(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+    assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
+
+
+def test_a_term_added_to_the_returned_loss_is_back_propagated_as_lightning_would():
+    """An override that adds a penalty to what training_step returns: Lightning back-propagates the sum, and the
+    mixin's backward ignored it (its gradient already made without the penalty): silently another loss. The term's
+    gradient is added to the step's, as whole-batch training with the penalty makes it."""
+    class Penalized(lit_classifier()):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) + small_penalty(self)
+
+    data = tiny_dataset(16)
+    model = Penalized(tiny_bn(), micro_batch_size=3)
+    trainer(precision="64-true").fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    oracle = tiny_bn()
+    optimizer, scheduler = sgd_halving(oracle.parameters())
+    for x, y in batches(data, 8, 3):
+        optimizer.zero_grad(set_to_none=True)
+        (nn.functional.cross_entropy(oracle(x), y) + small_penalty(oracle)).backward()
         optimizer.step()
         scheduler.step()
     assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
@@ -206,7 +227,8 @@ def test_bad_arguments_fail_when_the_module_is_made(options, error, message):
 def test_two_gloo_ranks_under_ddp_equal_one_process_with_the_global_batch(tmp_path):
     """2 ranks x micro-batches 3 + 1 of 4 samples each against plain PyTorch on batches of 8, float64, clipped, torch's
     BatchNorm unconverted and the passes schedule: DDP's own gradient reduction must not add to accumnorm's (a
-    second average halves the gradient) nor wait for a backward that never comes (a hang, bounded here by timeouts)."""
+    second average halves the gradient) nor wait for a backward that never comes (a hang, bounded here by timeouts).
+    training_step adds a penalty to the loss it returns: its gradient is the ranks' mean, as DDP's would be."""
     results = launch_ranks([str(PROGRAM), str(tmp_path), str(CLIP)], tmp_path, wait_s=900)
     assert_ranks_ended_well(results)
-    assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP)
+    assert_ranks_trained_like_whole_batch(tmp_path, 2, tiny_bn(), CLIP, penalty=small_penalty)

@@ -4,7 +4,8 @@
 
 3 optimizer steps of micro-batches 3 + 1 of this rank's 4 samples out of each global batch of 8,
 in float64, the gradient clipped to norm CLIP; torch's BatchNorm layers as they are, and the passes
-schedule (the one-process test runs the default, layerwise). The batches this rank was given (Lightning's own
+schedule (the one-process test runs the default, layerwise), and a penalty added to the loss training_step
+returns. The batches this rank was given (Lightning's own
 DistributedSampler shuffles) and the final state of the net go to OUT/rank<rank>.pt.
 """
 import sys
@@ -15,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from models import lit_classifier, tiny_bn, tiny_dataset
+from models import lit_classifier, small_penalty, tiny_bn, tiny_dataset
 
 
 class Batches(pl.Callback):
@@ -30,7 +31,11 @@ class Batches(pl.Callback):
 
 def main(out: Path, clip: float) -> None:
     loader = torch.utils.data.DataLoader(tiny_dataset(24), batch_size=4)
-    model = lit_classifier()(tiny_bn(), micro_batch_size=3, schedule="passes")
+    class Penalized(lit_classifier()):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) + small_penalty(self)
+
+    model = Penalized(tiny_bn(), micro_batch_size=3, schedule="passes")
     strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=300))  # a lost rank fails, not hangs
     run = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=3,
                      gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,

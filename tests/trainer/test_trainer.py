@@ -325,6 +325,28 @@ def test_evaluations_show_in_the_progress_bar_and_in_a_line_each(tmp_path, capsy
     assert "acc=0.25" in err and "acc=0.75" in err.split("\r")[-1]  # the bar's postfix, up to its last refresh
 
 
+def test_an_optimizer_that_also_steps_a_learnable_temperature_of_the_loss_trains_it_as_torch_does():
+    """The optimizer's check refused any tensor outside the model, saying accumnorm computes no gradient for it; the
+    step computes one wherever the loss reaches it, as torch does. Only an optimizer over none of the model's
+    parameters (built for a copy) is refused."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)).double()
+    ours = copy.deepcopy(ref)
+    temperatures = [nn.Parameter(torch.tensor(2.0, dtype=torch.float64)) for _ in range(2)]
+
+    def loss_fn(temperature):
+        return lambda model, batch: F.cross_entropy(model(batch[0]) / temperature, batch[1])
+
+    x, y = torch.randn(8, 1, 8, 8, dtype=torch.float64), torch.randint(0, 3, (8,))
+    optimizers = [torch.optim.SGD([*m.parameters(), t], lr=0.5) for m, t in zip((ref, ours), temperatures)]
+    loss_fn(temperatures[0])(ref, (x, y)).backward()
+    optimizers[0].step()
+    Trainer(ours, optimizers[1], loss_fn(temperatures[1]), micro_batch_size=2).step((x, y))
+    assert_state_close(ours.state_dict(), ref.state_dict(), 1e-10)
+    torch.testing.assert_close(temperatures[1], temperatures[0], rtol=1e-12, atol=0)
+    assert float(temperatures[1]) != 2.0
+
+
 def test_bad_arguments_are_clear_errors(tmp_path):
     model = accumnorm.convert(small_net())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

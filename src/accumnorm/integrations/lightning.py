@@ -21,7 +21,9 @@ every rank) included, and returns that loss. Everything else is Lightning's auto
 unchanged: precision plugins (autocast; under "16-mixed" its GradScaler scales the loss, unscales the
 gradient before clipping and skips a step that overflows), `Trainer(gradient_clip_val=...)`, the
 optimizer step, learning-rate schedulers, checkpoints and loggers. To log the loss, override
-`training_step`: `loss = super().training_step(batch, batch_idx); self.log("train_loss", loss)`.
+`training_step`: `loss = super().training_step(batch, batch_idx); self.log("train_loss", loss)`. A term the
+override adds to what it returns (a penalty on the weights) is back-propagated by the mixin's `backward`, as
+Lightning would, its gradient averaged over the ranks under DDP.
 In exact mode `training_loss` may run interleaved with the other micro-batches' (the layerwise schedule)
 or more than once per micro-batch (passes): log nothing from it.
 
@@ -148,12 +150,16 @@ class ExactAccumulation:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        """Nothing to do: training_step has already put the gradient of `loss` in `.grad`."""
+        """training_step has already put the gradient of the step's loss in `.grad`, and returned it detached. A loss
+        with a graph is that loss plus a term an override of training_step added (a penalty): the term's gradient is
+        added here, as Lightning's backward of the sum would add it, averaged over the ranks under DDP."""
         if not self._accumnorm_has_grad:
             raise RuntimeError(f"{type(self).__name__}.training_step returned a loss without calling "
                                "ExactAccumulation.training_step, so no gradient was computed; return "
                                "super().training_step(batch, batch_idx) from your override")
         self._accumnorm_has_grad = False
+        if loss.requires_grad:
+            _add_gradient(self, loss, self._accumnorm_group)
 
     def on_fit_start(self) -> None:
         """Check the trainer before any step and find the process group of a DDP strategy; for a module Lightning
@@ -167,6 +173,20 @@ class ExactAccumulation:
             self.training_step = compiled["original_training_step"]
             self._accumnorm_loss = compiled["dynamo_ctx"](_micro_batch_loss)
         self._accumnorm_ready = True
+
+
+def _add_gradient(module: ExactAccumulation, term: Tensor, group: ProcessGroup | None) -> None:
+    """Add the gradient of `term` to the module's parameters' `.grad`; under DDP, whose reducer the mixin keeps off,
+    the ranks' mean, as DDP would make it."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(term, params, allow_unused=True)
+    for p, g in zip(params, grads):
+        if group is not None:  # every rank reduces every parameter's, in the same order
+            g = torch.zeros_like(p) if g is None else g
+            torch.distributed.all_reduce(g, group=group)
+            g = g / torch.distributed.get_world_size(group)
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
 
 
 def _micro_batch_loss(module: ExactAccumulation, micro_batch: Any) -> Tensor:

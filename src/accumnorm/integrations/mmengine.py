@@ -27,7 +27,7 @@ too; checkpoints keep their keys). The steps stay exact: dynamo breaks its graph
 
 Refused before the first step, saying what to change (a ValueError): `accumulative_counts > 1`, several optim
 wrappers, a wrapper other than DDP (FSDP, DeepSpeed, MMSeparateDistributedDataParallel), a model with its own
-`train_step` (it would be bypassed), an optimizer over other tensors than the model's, a `compile` config that
+`train_step` (it would be bypassed), an optimizer over none of the model's parameters, a `compile` config that
 torch.compile would not take or with `fullgraph=True` (a graph break is then an error). A step that fails (a NaN
 loss, an exception, Ctrl-C) changes nothing: the model, the optimizer, the schedulers and the loop's iteration
 counter are as they were, and the error reaches mmengine.

@@ -29,8 +29,8 @@ statistics and gradients itself; the DDP wrapper's reducer is never armed), and 
 compiled model on one process (dynamo breaks its graph at each BatchNorm call, where the micro-batches meet).
 Refused when the Trainer is made, or at the first step before anything changes (a ValueError saying what to
 change): DeepSpeed, FSDP, `torch_compile=True` under DDP (Accelerate compiles the DDP wrapper, whose forward
-accumnorm cannot run as its inner module's), several GPUs in one process (DataParallel), an optimizer over other
-tensors than the model's parameters. A step that fails (a NaN loss, an exception, Ctrl-C) changes nothing: the
+accumnorm cannot run as its inner module's), several GPUs in one process (DataParallel), an optimizer over none
+of the model's parameters. A step that fails (a NaN loss, an exception, Ctrl-C) changes nothing: the
 Trainer sees the error before its optimizer, scheduler or `global_step` move.
 """
 from __future__ import annotations
