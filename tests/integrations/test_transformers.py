@@ -286,6 +286,37 @@ def test_a_failing_step_changes_nothing(failure, tmp_path):
         assert torch.equal(value["momentum_buffer"], optimizer_state["state"][key]["momentum_buffer"])
 
 
+def _transforming(how: str) -> type:
+    """An ExactTrainer whose training_step override doubles its inputs' images before calling ExactTrainer's."""
+    class Transforming(ExactTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            if how == "in place":
+                inputs["pixel_values"].mul_(2.0)
+            elif how == "replaced":
+                inputs["pixel_values"] = inputs["pixel_values"] * 2.0
+            else:
+                inputs = {**inputs, "pixel_values": inputs["pixel_values"] * 2.0}
+            return super().training_step(model, inputs, num_items_in_batch)
+    return Transforming
+
+
+@pytest.mark.parametrize("how", ["in place", "replaced", "a new dict"])
+def test_an_override_that_transforms_training_steps_inputs_is_refused_before_anything_changes(how, tmp_path):
+    """ExactTrainer runs the step's K micro-batches at its first call, from the batches the Trainer gathered: an
+    override that changed the first one's images (in place, or in the same dict) trained micro-batch 0 transformed
+    and the others not, silently; one that passed a new dict was refused saying to call trainer.train(). Each is
+    refused at the first step, naming what to do, with the model as it was."""
+    model = KeywordClassifier(tiny_bn())
+    before = copy.deepcopy(model.state_dict())
+    trainer = _transforming(how)(model=model, args=arguments(tmp_path, 3, 2), train_dataset=keyword_samples(
+        tiny_dataset(24)), optimizers=sgd_halving(model.parameters()))
+    error = RuntimeError if how == "a new dict" else ValueError
+    with pytest.raises(error, match="an override of training_step that changes its inputs.*compute_loss"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert_state_close(model.state_dict(), before, 0.0)
+
+
 def test_misuse_is_refused_when_the_trainer_is_made(tmp_path, monkeypatch):
     data = keyword_samples(tiny_dataset(8))
     with monkeypatch.context() as m:  # as under torchrun with 2 processes

@@ -30,8 +30,9 @@ compiled model on one process (dynamo breaks its graph at each BatchNorm call, w
 Refused when the Trainer is made, or at the first step before anything changes (a ValueError saying what to
 change): DeepSpeed, FSDP, `torch_compile=True` under DDP (Accelerate compiles the DDP wrapper, whose forward
 accumnorm cannot run as its inner module's), several GPUs in one process (DataParallel), an optimizer over none
-of the model's parameters. A step that fails (a NaN loss, an exception, Ctrl-C) changes nothing: the
-Trainer sees the error before its optimizer, scheduler or `global_step` move.
+of the model's parameters, an override of `training_step` that changes its inputs before calling this one's
+(transform each micro-batch in `compute_loss` instead). A step that fails (a NaN loss, an exception, Ctrl-C)
+changes nothing: the Trainer sees the error before its optimizer, scheduler or `global_step` move.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class ExactTrainer(Trainer):
         self._accumnorm_options = backward_options(self.model, _micro_batch_loss, micro_batch_size=1, bn=bn,
                                                    schedule=schedule, store=store)
         self._accumnorm_batches: list[Any] = []  # the micro-batches of the step get_batch_samples gathered
+        self._accumnorm_gathered: list[Any] = []  # and what each held then (`_contents`)
         self._accumnorm_checked = False
         _check_set_up(self)
 
@@ -84,6 +86,7 @@ class ExactTrainer(Trainer):
         """The Trainer's K micro-batches of a step, kept for `training_step` to run as one whole batch."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._accumnorm_batches = batches
+        self._accumnorm_gathered = [_contents(b) for b in batches]
         return batches, num_items
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any],
@@ -92,10 +95,14 @@ class ExactTrainer(Trainer):
         loss; at the others, return 0 (the Trainer adds the K returns up for its log)."""
         batches = self._accumnorm_batches
         if not any(inputs is b for b in batches):
-            raise RuntimeError("ExactTrainer.training_step got a batch that get_batch_samples did not gather: it "
-                               "runs only inside the Trainer's training loop (call trainer.train())")
+            raise RuntimeError("ExactTrainer.training_step got a batch that get_batch_samples did not gather: a call "
+                               f"outside the Trainer's training loop (call trainer.train()), or {_TRANSFORMED}")
         if inputs is not batches[0]:
             return torch.zeros((), device=self.args.device)
+        if not _unchanged(inputs, self._accumnorm_gathered[0]):
+            raise ValueError("ExactTrainer.training_step got the step's first micro-batch changed since the Trainer "
+                             f"gathered it (a value replaced or changed in place): {_TRANSFORMED}. Nothing was "
+                             "changed")
         if not self._accumnorm_checked:
             _check_step(self, model)
             self._accumnorm_checked = True
@@ -131,6 +138,24 @@ class ExactTrainer(Trainer):
         # A micro-batch without items weighs 0; its count passed as 1 keeps a loss summed over no item at 0, not 0/0.
         passed = [n if n is None else torch.clamp(torch.as_tensor(n), min=1) for n in items]
         return [(c / count * micro_batches / f, n) for c, n, f in zip(counts, passed, factors)]
+
+
+_TRANSFORMED = ("an override of training_step that changes its inputs before calling ExactTrainer's. ExactTrainer "
+                "runs the K micro-batches of a step together at the step's first call, from the batches the Trainer "
+                "gathered, and the others would go untransformed: transform each micro-batch in compute_loss, which "
+                "runs once per micro-batch, or in the data collator")
+
+
+def _contents(batch: dict[str, Any]) -> list[tuple[str, Any, int | None]]:
+    """What a batch holds: each key, its value, and a tensor's version (which an in-place change moves)."""
+    return [(key, value, value._version if isinstance(value, Tensor) else None) for key, value in batch.items()]
+
+
+def _unchanged(batch: dict[str, Any], contents: list[tuple[str, Any, int | None]]) -> bool:
+    """Whether `batch` holds what `contents` says it held: the same keys, each the same object, no tensor changed."""
+    return len(batch) == len(contents) and all(
+        key == k and value is v and (not isinstance(value, Tensor) or value._version == version)
+        for (key, value), (k, v, version) in zip(batch.items(), contents))
 
 
 def _micro_batch_loss(module: nn.Module, micro_batch: Any) -> Tensor:
