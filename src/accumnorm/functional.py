@@ -95,12 +95,19 @@ def combine_moments(parts: Moments | Sequence[Moments]) -> Moments:
 
 
 def update_running_stats_(running_mean: Tensor, running_var: Tensor | None, mean: Tensor, unbiased_var: Tensor,
-                          factor: float) -> None:
+                          factor: float, count: Tensor | None = None) -> None:
     """torch's running-statistics update, in place: `running = (1 - factor) * running + factor * batch`.
 
-    `factor` is BatchNorm's momentum, or 1 / (batches so far) for a cumulative average (momentum=None).
+    `factor` is BatchNorm's momentum, or 1 / (batches so far) for a cumulative average (momentum=None). `count`,
+    where given, is the number of values the statistics are of: none (an empty batch, whose statistics are 0/0)
+    leaves the running statistics as they are, as torch's kernels do (compared on the device, with no wait).
     """
     with torch.no_grad():
+        if count is not None:
+            some = count > 0
+            mean = torch.where(some, mean.to(running_mean.dtype), running_mean)
+            if running_var is not None:
+                unbiased_var = torch.where(some, unbiased_var.to(running_var.dtype), running_var)
         running_mean.lerp_(mean.to(running_mean.dtype), factor)
         if running_var is not None:
             running_var.lerp_(unbiased_var.to(running_var.dtype), factor)

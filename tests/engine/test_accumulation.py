@@ -498,6 +498,42 @@ def test_values_per_channel_counted_over_samples_and_positions_like_torch(schedu
         compare(ref, ours, 1e-9)
 
 
+class _SelectedRows(nn.Module):
+    """A BatchNorm over the rows a mask selects (boxes, positives), beside a head over every sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pick, self.bn, self.head = nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(x) + self.bn(self.pick(x[mask])).sum()
+
+
+@pytest.mark.parametrize("selected", [0, 3], ids=["no row", "rows in one micro-batch"])
+def test_a_batch_norm_over_no_row_of_the_whole_batch_does_as_torch(schedule, selected):
+    """torch's BatchNorm takes an empty batch in training: an empty output, the running statistics as they were, its
+    counter one up. The step refused it as one value per channel; passes, let through, would move the running
+    statistics to the empty batch's 0/0. Exact under every schedule, as a micro-batch without rows already was."""
+    torch.manual_seed(0)
+    ref = _SelectedRows().double()
+    ours = copy.deepcopy(ref)
+    x, y = torch.randn(8, 5, dtype=torch.float64), torch.arange(8) % 3
+    mask = torch.arange(8) < selected
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b[0], b[2]), b[1])
+
+    expected = whole_batch(ref, (x, y, mask), loss_fn)
+    loss = accumnorm.backward(ours, (x, y, mask), loss_fn, micro_batch_size=4, schedule=schedule)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    for (name, got), want in zip(ours.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, msg=name)
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.realtime
 def test_auto_falls_back_to_recompute_when_layerwise_runs_out_of_memory():
     ref = vgg(nn.Tanh).double()

@@ -48,7 +48,7 @@ class _Local:
             # Through .data, as torch's kernel updates them: their version counters stay, so that an earlier call
             # of the same layer, whose backward saved them (torch's batch_norm does), is not invalidated.
             update_running_stats_(self.running_mean.data, self.running_var.data, m.mean, m.unbiased_var,
-                                  self.momentum)
+                                  self.momentum, m.count)
         self.running_mean = self.running_var = None  # updated once, in the forward
         return [normalize_with(x, m.mean, var, weight, bias, self.eps) for x in xs]
 

@@ -62,7 +62,8 @@ class Ledger:
         torch.batch_norm moves them at the call in one process (a later read in the forward finds them moved)."""
         factor = self.count_call(call)
         if call.running_mean is not None:
-            update_running_stats_(call.running_mean, call.running_var, stats.mean, stats.unbiased_var, factor)
+            update_running_stats_(call.running_mean, call.running_var, stats.mean, stats.unbiased_var, factor,
+                                  stats.count)
         return stats
 
     def count_call(self, call: BNCall) -> float | None:
@@ -99,7 +100,8 @@ class Ledger:
         order, as torch's whole-batch forward makes them; each BatchNorm's num_batches_tracked one up per call."""
         for call, stats, factor in self.batch_norms:
             if call.running_mean is not None:
-                update_running_stats_(call.running_mean, call.running_var, stats.mean, stats.unbiased_var, factor)
+                update_running_stats_(call.running_mean, call.running_var, stats.mean, stats.unbiased_var, factor,
+                                      stats.count)
         for entry in self.instance_norms:
             count = entry.sum_mean.new_full((1,), entry.count)
             total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))

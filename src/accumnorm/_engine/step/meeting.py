@@ -86,8 +86,9 @@ class Meeting:
 
     def check_count(self, rows: int, shape: Sequence[int]) -> None:
         """As torch's BatchNorm: batch statistics need more than one value per channel (in the whole batch of `rows`
-        samples, each of `shape` past the batch dimension, as checked by `check_same`)."""
-        if self.collectives.group is None and rows * math.prod(shape[2:]) <= 1:
+        samples, each of `shape` past the batch dimension, as checked by `check_same`), or none at all (an empty
+        batch, which leaves the running statistics as they were)."""
+        if self.collectives.group is None and rows * math.prod(shape[2:]) == 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size "
                              f"{(rows, *shape[1:])}")
 

@@ -36,7 +36,7 @@ class RunningStatistics:
             self.before[id(mean)] = (mean, var, mean.clone(), None if var is None else var.clone())
         last_mean, last_var = self.now.get(id(mean), self.before[id(mean)][2:])
         new = (last_mean.clone(), None if last_var is None else last_var.clone())
-        update_running_stats_(*new, stats.mean, stats.unbiased_var, factor)
+        update_running_stats_(*new, stats.mean, stats.unbiased_var, factor, stats.count)
         self.now[id(mean)] = new
         return new
 
