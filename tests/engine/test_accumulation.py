@@ -388,6 +388,35 @@ def test_backward_under_no_grad_or_inference_mode_is_refused(primed, mode):
     assert_unchanged(model, snap)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_teacher_without_running_statistics_runs_under_no_grad_and_its_refusal_says_so(mode):
+    """A teacher in eval mode whose BatchNorm keeps no running statistics normalizes with the batch's: under no_grad
+    the step meets its calls, as whole-batch torch's forward sees the whole batch; under inference_mode it cannot,
+    and the refusal says to use no_grad (putting the layer in eval mode, the advice it gave, changes nothing)."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4, track_running_stats=False), nn.Flatten(),
+                            nn.Linear(4 * 14 * 14, 10)).double().eval()
+    ref = vgg(nn.Tanh).double()
+    ours = copy.deepcopy(ref)
+    batch = data((1, 16, 16), 8, torch.float64)
+
+    def loss_fn(m, b):
+        with mode():
+            target = teacher(b[0]).softmax(1)
+        return F.cross_entropy(m(b[0]), target.clone())
+
+    if mode is torch.inference_mode:
+        snap = snapshot(ours)
+        with pytest.raises(ValueError, match=r"under torch.inference_mode.*Nothing was changed. Use torch.no_grad"):
+            accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2)
+        assert_unchanged(ours, snap)
+        return
+    expected = whole_batch(ref, batch, loss_fn)
+    loss = accumnorm.backward(ours, batch, loss_fn, micro_batch_size=2)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    compare(ref, ours, 1e-10)
+
+
 @pytest.mark.parametrize("bn", ["exact", "micro"])
 def test_a_failed_step_leaves_lazy_layers_lazy(schedule, bn):
     """The first forward materializes lazy layers; a step that fails afterwards gives them back unmaterialized,

@@ -236,8 +236,10 @@ class NormCalls(TorchFunctionMode):
     def _refuse_where_inexact(self, modes: Modes) -> None:
         if torch.is_inference_mode_enabled():
             raise ValueError("bn='exact' met a BatchNorm call with batch statistics under torch.inference_mode, "
-                             "which leaves nothing to back-propagate: put the model in eval mode there, or leave "
-                             "inference_mode out of loss_fn")
+                             "whose tensors the step cannot meet the other micro-batches with. Nothing was changed. "
+                             "Use torch.no_grad() there instead (a teacher, say), or put the layer in eval mode with "
+                             "running statistics (one without them, track_running_stats=False, normalizes with the "
+                             "batch's even in eval mode)")
         if torch._C._are_functorch_transforms_active():
             raise ValueError("bn='exact' cannot see the whole batch inside a torch.func transform (vmap, grad, ...) "
                              "around a BatchNorm call; use bn='micro' or call the model outside the transform")
