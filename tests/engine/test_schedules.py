@@ -513,16 +513,18 @@ def test_failure_in_backward_part_way_changes_nothing(primed, schedule):
 
 
 class Bomb(nn.Module):
-    """Identity whose `fail_at`-th forward raises: a failure between two BatchNorm calls."""
+    """Identity whose `fail_at`-th forward raises: a failure between two BatchNorm calls. Its count is changed in
+    place, in a list: passes puts a module's attributes back before each run, and a reassigned count would start
+    each run again."""
 
     def __init__(self, fail_at: int | None = None) -> None:
         super().__init__()
-        self.fail_at, self.calls, self.lock = fail_at, 0, threading.Lock()
+        self.fail_at, self.calls, self.lock = fail_at, [0], threading.Lock()
 
     def forward(self, x):
         with self.lock:
-            self.calls += 1
-            if self.calls == self.fail_at:
+            self.calls[0] += 1
+            if self.calls[0] == self.fail_at:
                 raise RuntimeError("bad sample")
         return x
 
@@ -534,7 +536,7 @@ def test_forward_failure_between_batchnorm_calls_neither_hangs_nor_changes_anyth
                           nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10))
     batch = data((4,), 8)
     accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
-    model[3].calls, model[3].fail_at = 0, 3  # the third micro-batch's forward fails
+    model[3].calls[0], model[3].fail_at = 0, 3  # the third micro-batch's forward fails
     snap, threads = snapshot(model), set(threading.enumerate())
     errors: list[BaseException] = []
 
