@@ -319,6 +319,44 @@ def test_cuda_graphs_are_refused_on_cuda_before_anything_changes(kwargs):
     assert_unchanged(net, before)
 
 
+class BelowBatchNorm(nn.Module):
+    """A BatchNorm layer's tensors normalized by `op`, a batch-norm op below F.batch_norm."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op, self.conv, self.bn, self.fc = op, nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h = self.bn, self.conv(x)
+        args = (h, b.weight, b.bias, b.running_mean, b.running_var, True, 0.1, 1e-5)
+        if self.op == "torch.native_batch_norm":
+            h = torch.native_batch_norm(*args)[0]
+        elif self.op == "aten._native_batch_norm_legit":
+            h = torch.ops.aten._native_batch_norm_legit(*args)[0]
+        else:  # torch.batch_norm's own op, through torch.ops
+            h = torch.ops.aten.batch_norm(*args, False)
+        return self.fc(F.relu(h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("compile_it", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("op", ["torch.native_batch_norm", "aten._native_batch_norm_legit", "aten.batch_norm"])
+def test_a_batch_norm_below_f_batch_norm_is_refused_compiled_as_eager(op, compile_it, schedule):
+    """Eager, the graph check found such a call's node after the forwards; compiled, the node is inside the compiled
+    graph's, and each micro-batch was normalized alone: silently wrong (and aten.batch_norm through torch.ops, met as
+    torch.batch_norm, would pause inside a pybind11 call, which aborts the process). The step's mode, which dynamo
+    traces, refuses the call where it sees it, with nothing changed."""
+    torch.manual_seed(0)
+    net = BelowBatchNorm(op).double()
+    model = torch.compile(net, backend="aot_eager") if compile_it else net
+    x, y = torch.randn(12, 3, 6, 6, dtype=torch.float64), torch.randint(0, 5, (12,))
+    before = snapshot(net)
+    with pytest.raises(ValueError, match=rf"met {op}, a batch norm with batch statistics below F.batch_norm.*Nothing "
+                                         r"was changed"):
+        accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO, schedule=schedule)
+    assert_unchanged(net, before)
+    assert all(p.grad is None for p in net.parameters())
+
+
 class BackendFailure(Exception):
     pass
 

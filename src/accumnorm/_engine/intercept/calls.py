@@ -34,6 +34,7 @@ from ..safety import untraced
 from ..safety.graphs import Graphs
 from ..safety.threadstate import Modes
 from .functions import autograd_function_around
+from .hidden import HIDDEN, refuse_batch_statistics
 from .torchs import refuse_replaced_norm_function
 
 __all__ = ["BNCall", "INCall", "NormCalls", "StopPass", "Watch", "batch_statistics_call", "describe", "describe_layer"]
@@ -158,6 +159,8 @@ class NormCalls(TorchFunctionMode):
                                                           args, kwargs)
         elif func is _GRAD and not self.gradients:
             return untraced.call(NormCalls.gradient)(self, func, args, kwargs)
+        elif func in HIDDEN:
+            refuse_batch_statistics(func, args, kwargs)
         elif func is F.batch_norm or func is F.instance_norm:  # a replacement, set since the tables were made
             refuse_replaced_norm_function("batch_norm" if func is F.batch_norm else "instance_norm")
         return func(*args, **kwargs)
