@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
 import sys
 import threading
 
@@ -355,6 +356,36 @@ def test_a_batch_norm_below_f_batch_norm_is_refused_compiled_as_eager(op, compil
         accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO, schedule=schedule)
     assert_unchanged(net, before)
     assert all(p.grad is None for p in net.parameters())
+
+
+def test_a_training_step_compiled_whole_runs_the_step_untraced_and_exact(schedule):
+    """A training step the user compiles whole, accumnorm.backward inside it: dynamo traced into the step's own code,
+    compiling its frames (a guard failure on the frame it was created in, or the recompile limit), where it must
+    break its graph at the call and leave the step's code to run as it is."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(4, 5)).double()
+    oracle = copy.deepcopy(net)
+
+    @torch.compile(backend="aot_eager")
+    def train_step(batch):
+        return accumnorm.backward(net, batch, ce, micro_batch_size=MICRO, schedule=schedule)
+
+    compiled = collections.Counter()
+    hook = dynamo.convert_frame.register_bytecode_hook(lambda code, new: compiled.update([code.co_filename]))
+    try:
+        for x, y in batches():
+            net.zero_grad(set_to_none=True)
+            oracle.zero_grad(set_to_none=True)
+            expected = ce(oracle, (x, y))
+            expected.backward()
+            loss = train_step((x, y))
+            torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+            assert_grads_close(net, oracle, 1e-10)
+    finally:
+        hook.remove()
+    engine = {f for f in compiled if f"accumnorm{os.sep}" in f}
+    assert all(f.endswith(f"_engine{os.sep}backward.py") for f in engine), engine  # its call, where the graph breaks
 
 
 class BackendFailure(Exception):

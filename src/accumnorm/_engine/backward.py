@@ -32,6 +32,7 @@ from .step.step import StepCall
 __all__ = ["backward"]
 
 
+@untraced.skip_frames
 def backward(
     model: nn.Module,
     batch: Batch,
@@ -156,12 +157,26 @@ def backward(
         loss = accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4)
         optimizer.step()
     """
+    untraced.prepare()  # what torch.compile'd code must not trace, once dynamo is imported
+    # Called from code torch.compile traces (a training step compiled whole), the step runs untraced: the graph
+    # breaks at this call, and dynamo compiles none of the step's own frames.
+    return untraced.call(_backward)(model, batch, loss_fn, micro_batch_size=micro_batch_size, forward_fn=forward_fn,
+                                    batch_loss_fn=batch_loss_fn, targets=targets, bn=bn, schedule=schedule, store=store,
+                                    process_group=process_group, grad_scaler=grad_scaler, memory_budget=memory_budget,
+                                    keep_every=keep_every)
+
+
+@untraced.untraced
+def _backward(model: nn.Module, batch: Batch, loss_fn: LossFn | None, *, micro_batch_size: int,
+              forward_fn: ForwardFn | None, batch_loss_fn: BatchLossFn | None, targets: Any, bn: BNMode,
+              schedule: Schedule, store: str | torch.device | None, process_group: Any,
+              grad_scaler: torch.amp.GradScaler | None, memory_budget: int | None, keep_every: int | None) -> Tensor:
+    """`backward`'s step, run untraced."""
     if step_running():
         raise ValueError(
             "accumnorm.backward was called inside another accumnorm.backward step (from its loss_fn, forward_fn, "
             "batch_loss_fn or a hook): steps cannot be nested. Run the inner step before or after the outer one, or "
             "make its model part of the outer step's loss")
-    untraced.prepare()  # what torch.compile'd code must not trace, once dynamo is imported
     model, process_group = unwrap_ddp(model, process_group)
     check_args(model, loss_fn, micro_batch_size, bn, schedule, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
                targets=targets)
