@@ -791,3 +791,42 @@ def test_caller_rng_advances_the_same_whatever_the_split():
                                batch_loss_fn=nt_xent, bn=bn, schedule=schedule)
             after.add(torch.rand(()).item())
     assert len(after) == 1
+
+
+def _head_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 5), nn.BatchNorm1d(5)).double()
+
+
+def test_a_batch_norm_in_batch_loss_fn_is_torchs_over_the_whole_batch(schedule_any):
+    """batch_loss_fn sees the whole batch's outputs: a batch norm there normalizes the whole batch, as torch's does.
+    Passes ran it under the step's mode, which took it for a call of a pass: its internal StopPass escaped the step,
+    an exception with no message."""
+    ref = _head_net()
+    ours = copy.deepcopy(ref)
+    x, t = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 5, (10,))
+
+    def loss(out, targets):
+        return F.cross_entropy(F.batch_norm(out, None, None, training=True), targets)
+
+    expected = loss(ref(x), t)
+    expected.backward()
+    got = accumnorm.backward(ours, x, micro_batch_size=4, forward_fn=lambda m, xs: m(xs), batch_loss_fn=loss,
+                             targets=t, schedule=schedule_any)
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=0)
+    compare(ref, ours, 1e-10)
+
+
+def test_a_layer_of_the_model_run_in_batch_loss_fn_is_refused_naming_it(schedule_any):
+    """The model's own BatchNorm layer run again in batch_loss_fn: the step counts every training forward of its
+    layers, and cannot count this one. Refused under every schedule with a message that says where it ran (passes
+    let its StopPass escape), nothing changed."""
+    model = _head_net()
+    x, t = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 5, (10,))
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"training forwards of BatchNorm1d 4.*\(in batch_loss_fn\).*Nothing was "
+                                         r"changed"):
+        accumnorm.backward(model, x, micro_batch_size=4, forward_fn=lambda m, xs: m[:4](xs),
+                           batch_loss_fn=lambda out, targets: F.cross_entropy(model[4](out), targets), targets=t,
+                           schedule=schedule_any)
+    assert_unchanged(model, snap)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import _pop_mode_temporarily
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
@@ -233,7 +234,8 @@ class _Passes:
         over all of them, and its gradient at each micro-batch's outputs, from which its backwards start."""
         self.mode, self.target = self.STATS, len(self.calls)  # no call is the target: every forward completes
         self.grads = OutputGrads([without_graph(self._forward(k)) for k in self._each()], self.step.backward)
-        self.step.losses.whole = self.step.whole_loss(lambda: self.grads.loss(self.step.objective.loss)).detach()
+        with _pop_mode_temporarily():  # the loss sees the whole batch: its norm calls are torch's, as in layerwise
+            self.step.losses.whole = self.step.whole_loss(lambda: self.grads.loss(self.step.objective.loss)).detach()
 
     def _backward_from(self, k: int, result: Any, inputs: list[Tensor] | None = None) -> None:
         """Micro-batch k's backward from its loss (weighted) or its outputs (with their gradients)."""

@@ -136,5 +136,7 @@ class Ledger:
                     raise ValueError(
                         f"bn='exact' saw {self.seen.get(m, 0)} of the {bumped} training forwards of {type(m).__name__} "
                         f"{names.get(m, '')}: the others ran where accumnorm cannot reach them (TorchScript, a "
-                        "torch.compile graph, a thread of their own, C++), with one micro-batch's statistics. Nothing "
-                        "was changed. Run that layer as Python in the calling thread, or pass bn='micro'")
+                        "torch.compile graph, a thread of their own, C++) with one micro-batch's statistics, or "
+                        "outside the micro-batches' forwards (in batch_loss_fn), where the step does not count them. "
+                        "Nothing was changed. Run that layer as Python in the calling thread, in the forward, or pass "
+                        "bn='micro'")
