@@ -388,6 +388,28 @@ def test_a_training_step_compiled_whole_runs_the_step_untraced_and_exact(schedul
     assert all(f.endswith(f"_engine{os.sep}backward.py") for f in engine), engine  # its call, where the graph breaks
 
 
+def test_compiled_autograd_is_refused_where_the_forwards_interleave_and_passes_is_exact(schedule, monkeypatch):
+    """Under compiled autograd each compiled call enters a context of dynamo's that the interleaved forwards left
+    out of order: dynamo's own AssertionError ('Nested Compiled Autograd Contexts must return before their parent
+    context'). Refused before anything changes, naming the way out; passes, one micro-batch at a time, is exact."""
+    monkeypatch.setattr(dynamo.config, "compiled_autograd", True)
+    net = Net().double()
+    oracle = copy.deepcopy(net)
+    model = torch.compile(net, backend="aot_eager")
+    x, y = batches()[0]
+    if schedule != "passes":
+        before = snapshot(net)
+        with pytest.raises(ValueError, match=r"under compiled autograd.*Nothing was changed.*schedule='passes'"):
+            accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO, schedule=schedule)
+        assert_unchanged(net, before)
+        return
+    expected = ce(oracle, (x, y))
+    expected.backward()
+    loss = accumnorm.backward(model, (x, y), ce, micro_batch_size=MICRO, schedule=schedule)
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    assert_grads_close(net, oracle, 1e-10)
+
+
 class BackendFailure(Exception):
     pass
 

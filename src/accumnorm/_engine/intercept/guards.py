@@ -45,7 +45,7 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
             raise ValueError(f"bn='exact' cannot see the BatchNorm of the TorchScript module {where} "
                              f"({m.original_name}): TorchScript runs it in C++. Script the model after training, or "
                              "pass bn='micro'")
-        _refuse_compile_options(m, name)
+        _refuse_compile_options(m, name, schedule)
         if isinstance(m, nn.DataParallel) and len(m.device_ids) > 1:
             raise ValueError(f"bn='exact' cannot see the BatchNorm calls of nn.DataParallel ({where}): its replicas "
                              "run in threads of their own. Use torch.distributed (accumnorm.backward's process_group, "
@@ -72,14 +72,22 @@ def _memory(t: Tensor) -> tuple[Any, ...]:
         return (id(t),)
 
 
-def _refuse_compile_options(m: nn.Module, name: str) -> None:
+def _refuse_compile_options(m: nn.Module, name: str, schedule: str) -> None:
     """A module torch.compile runs with options no step can keep exact: `fullgraph=True`, which makes the graph break
-    at each BatchNorm call (`untraced`) an error, and CUDA graphs on CUDA, which replay each graph into the same
-    output memory while a step holds every micro-batch's outputs of it at once."""
+    at each BatchNorm call (`untraced`) an error; CUDA graphs on CUDA, which replay each graph into the same output
+    memory while a step holds every micro-batch's outputs of it at once; and, but under passes, compiled autograd,
+    whose context each compiled call enters and leaves, which the micro-batches' interleaved forwards would leave out
+    of order."""
     context = _compile_context(m)
     if context is None:
         return
     compiled = f"the torch.compile'd module {name}" if name else "the torch.compile'd model"
+    if schedule != "passes" and torch._dynamo.config.compiled_autograd:
+        raise ValueError(f"bn='exact' cannot run {compiled} under compiled autograd "
+                         "(torch._dynamo.config.compiled_autograd=True) with the micro-batches' forwards interleaved "
+                         f"({schedule}): each compiled call enters a compiled-autograd context that they would leave "
+                         "out of order. Nothing was changed. Set compiled_autograd=False for the step, or pass "
+                         "schedule='passes', which runs each micro-batch's forward alone")
     # A module without a norm layer breaks no graph at a layer's call; a direct F.batch_norm call in it fails inside
     # the step, which is then undone, with dynamo's error and `untraced.REASON`.
     if _fullgraph(context) and has_norm_statistics(m.modules()):
