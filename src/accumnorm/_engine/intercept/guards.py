@@ -1,10 +1,10 @@
 """What exact mode refuses.
 
-Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm,
-a torch.compile'd module with fullgraph=True or CUDA graphs, nn.DataParallel's replica threads, a layer that
-declares it through `accumnorm_exact_refusal`, a norm function of torch.nn.functional a library replaced), and
-backward hooks that would hook the met call's node rather than the layer's. After it, the step's ledger holds
-every BatchNorm forward to a call the step saw (`step.ledger.check_every_call_seen`).
+Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm, a
+torch.compile'd module with fullgraph=True, CUDA graphs or compiled autograd, nn.DataParallel's replica threads,
+a layer that declares it through `accumnorm_exact_refusal`, a norm function of torch.nn.functional a library
+replaced), and backward hooks that would hook the met call's node rather than the layer's. After it, the step's
+ledger holds every BatchNorm forward to a call the step saw (`step.ledger.check_every_call_seen`).
 """
 from __future__ import annotations
 

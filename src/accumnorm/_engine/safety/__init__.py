@@ -7,7 +7,8 @@ on; `interrupts`: Ctrl-C taken at the step's safe points; `threadstate` and `fla
 process-wide flags, swapped as the micro-batches take turns; `graphs`: the K graphs checked before their
 backward (no micro-batch uses another's tensors, no batch norm ran unseen); `untraced`: the engine's code that
 torch.compile runs as it is (a graph break at each BatchNorm call) and never compiles; `shared`: a process-wide
-setting changed while steps run on any thread.
+setting changed while steps run on any thread; `attributes`: the modules' attributes as the step found them, for
+each run of a forward again.
 
 Imports: torch only; no other layer of the engine.
 """
