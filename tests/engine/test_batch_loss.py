@@ -824,8 +824,7 @@ def test_a_layer_of_the_model_run_in_batch_loss_fn_is_refused_naming_it(schedule
     model = _head_net()
     x, t = torch.randn(10, 6, dtype=torch.float64), torch.randint(0, 5, (10,))
     snap = snapshot(model)
-    with pytest.raises(ValueError, match=r"training forwards of BatchNorm1d 4.*\(in batch_loss_fn\).*Nothing was "
-                                         r"changed"):
+    with pytest.raises(ValueError, match=r"BatchNorm1d 4.*\(in batch_loss_fn\).*Nothing was changed"):
         accumnorm.backward(model, x, micro_batch_size=4, forward_fn=lambda m, xs: m[:4](xs),
                            batch_loss_fn=lambda out, targets: F.cross_entropy(model[4](out), targets), targets=t,
                            schedule=schedule_any)

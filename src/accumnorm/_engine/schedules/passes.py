@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import _pop_mode_temporarily
 
 from ...functional import Moments, moments
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
@@ -53,6 +52,7 @@ from .passes_refusals import (
     has_backward_hooks,
     not_the_same,
     torchs_refusals_said,
+    whole_batch_call,
 )
 
 __all__ = ["Passes"]
@@ -116,6 +116,8 @@ class _Passes:
 
     # ---------------------------------------------------------------- what each BatchNorm call does
     def _batch_norm(self, bn: BNCall) -> Tensor:
+        if not self.forwarding:  # in batch_loss_fn, over the whole batch's outputs: torch's call, as under layerwise
+            return whole_batch_call(bn, self.step.describe(bn))
         i, self.index = self.index, self.index + 1
         if i == len(self.calls) and self.mode == self.STATS and i == self.target:
             # The first time a forward gets this deep: a new call (its input without the graph below, which goes).
@@ -234,8 +236,7 @@ class _Passes:
         over all of them, and its gradient at each micro-batch's outputs, from which its backwards start."""
         self.mode, self.target = self.STATS, len(self.calls)  # no call is the target: every forward completes
         self.grads = OutputGrads([without_graph(self._forward(k)) for k in self._each()], self.step.backward)
-        with _pop_mode_temporarily():  # the loss sees the whole batch: its norm calls are torch's, as in layerwise
-            self.step.losses.whole = self.step.whole_loss(lambda: self.grads.loss(self.step.objective.loss)).detach()
+        self.step.losses.whole = self.step.whole_loss(lambda: self.grads.loss(self.step.objective.loss)).detach()
 
     def _backward_from(self, k: int, result: Any, inputs: list[Tensor] | None = None) -> None:
         """Micro-batch k's backward from its loss (weighted) or its outputs (with their gradients)."""

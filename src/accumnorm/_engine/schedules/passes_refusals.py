@@ -9,8 +9,10 @@ import torch
 from torch import Tensor
 
 from ..checkpointing.again import fingerprint, same_outputs
+from ..intercept.calls import BNCall
 
-__all__ = ["SameRuns", "another_input", "another_result", "has_backward_hooks", "not_the_same", "torchs_refusals_said"]
+__all__ = ["SameRuns", "another_input", "another_result", "has_backward_hooks", "not_the_same", "torchs_refusals_said",
+           "whole_batch_call"]
 
 
 @contextmanager
@@ -95,3 +97,14 @@ def another_result(k: int, what: str) -> ValueError:
         "back-propagates several of those runs: they must give one loss. Random numbers drawn outside torch's "
         "generators (Python's random, numpy) or state a forward changes for the next make each run another. Nothing "
         "was changed. Draw from torch's generators, or use schedule='layerwise', which runs each forward once")
+
+
+def whole_batch_call(bn: BNCall, where: str) -> Tensor:
+    """A batch norm in batch_loss_fn, over the whole batch's outputs: torch's call, as under layerwise. One with
+    running statistics (`where`: its layer) is refused, as the ledger refuses it under layerwise: the step counts
+    every training forward of the model's layers, but for those there."""
+    if bn.running_mean is not None:
+        raise ValueError(f"bn='exact' met {where} outside the micro-batches' forwards (in batch_loss_fn), where the "
+                         "step does not count the training forwards of the model's layers. Nothing was changed. Run "
+                         "that layer in the forward, or pass bn='micro'")
+    return torch.batch_norm(bn.input, bn.weight, bn.bias, None, None, True, 0.0, bn.eps, torch.backends.cudnn.enabled)
