@@ -829,3 +829,25 @@ def test_a_layer_of_the_model_run_in_batch_loss_fn_is_refused_naming_it(schedule
                            batch_loss_fn=lambda out, targets: F.cross_entropy(model[4](out), targets), targets=t,
                            schedule=schedule_any)
     assert_unchanged(model, snap)
+
+
+def test_an_instance_norm_with_running_statistics_in_batch_loss_fn_moves_them_once(schedule_any):
+    """An InstanceNorm that keeps running statistics, run in batch_loss_fn over the whole batch's outputs: torch's call
+    moves them once. Passes took it for a call of its own and left them unmoved, silently."""
+    ref = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).double()
+    norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True).double()
+    ours, our_norm = copy.deepcopy(ref), copy.deepcopy(norm)
+    x, t = torch.randn(8, 1, 6, 6, dtype=torch.float64), torch.randn(8, 4, 4, 4, dtype=torch.float64)
+
+    def loss_of(n):
+        return lambda out, targets: (n(out) - targets).square().mean()
+
+    expected = loss_of(norm)(ref(x), t)
+    expected.backward()
+    got = accumnorm.backward(ours, x, micro_batch_size=4, forward_fn=lambda m, xs: m(xs),
+                             batch_loss_fn=loss_of(our_norm), targets=t, schedule=schedule_any)
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=0)
+    compare(ref, ours, 1e-10)
+    for name, want in norm.state_dict().items():
+        torch.testing.assert_close(our_norm.state_dict()[name], want, rtol=1e-12, atol=1e-15, msg=name)
+    torch.testing.assert_close(our_norm.weight.grad, norm.weight.grad, rtol=1e-10, atol=1e-14)

@@ -53,6 +53,7 @@ from .passes_refusals import (
     not_the_same,
     torchs_refusals_said,
     whole_batch_call,
+    whole_batch_instance_norm,
 )
 
 __all__ = ["Passes"]
@@ -173,6 +174,8 @@ class _Passes:
         return output(x)
 
     def _instance_norm(self, call: INCall) -> Tensor:
+        if not self.forwarding:  # in batch_loss_fn, over the whole batch's outputs
+            return whole_batch_instance_norm(call)
         if self.mode == self.FULL:  # each micro-batch's one complete forward
             self.step.ledger.instance_norm(call, self.instance_norms, self.step.names)
             self.instance_norms += 1

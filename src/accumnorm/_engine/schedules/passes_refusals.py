@@ -1,18 +1,20 @@
 """What the passes schedule refuses, and how it says so: each micro-batch's forward runs 2L + 1 times, and must be
-the same forward each time; its backwards run on parts of each graph, more than once."""
+the same forward each time; its backwards run on parts of each graph, more than once. And the norm calls it meets
+outside the micro-batches' forwards, in batch_loss_fn, which are the whole batch's already: torch's, or refused."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..checkpointing.again import fingerprint, same_outputs
-from ..intercept.calls import BNCall
+from ..intercept.calls import BNCall, INCall
 
 __all__ = ["SameRuns", "another_input", "another_result", "has_backward_hooks", "not_the_same", "torchs_refusals_said",
-           "whole_batch_call"]
+           "whole_batch_call", "whole_batch_instance_norm"]
 
 
 @contextmanager
@@ -108,3 +110,11 @@ def whole_batch_call(bn: BNCall, where: str) -> Tensor:
                          "step does not count the training forwards of the model's layers. Nothing was changed. Run "
                          "that layer in the forward, or pass bn='micro'")
     return torch.batch_norm(bn.input, bn.weight, bn.bias, None, None, True, 0.0, bn.eps, torch.backends.cudnn.enabled)
+
+
+def whole_batch_instance_norm(call: INCall) -> Tensor:
+    """An instance norm with running statistics in batch_loss_fn, over the whole batch's outputs: torch's call, which
+    moves them once, as the whole batch's forward does (the passes' own handling leaves them to its ledger, which
+    counts the micro-batches' forwards only)."""
+    return F.instance_norm(call.input, call.running_mean, call.running_var, call.weight, call.bias, True, call.momentum,
+                           call.eps)
