@@ -3,10 +3,10 @@
 A forward or loss_fn may set a module's attribute (a temperature, a flag, `model.eval()` at its end) that a later
 run of the same forward reads. Whole-batch torch runs the forward once, from the state the step began in. A
 schedule that runs it again (passes, once per pass; recompute and segments, when they start over under
-layerwise) gives each run the attributes as the step found them (`restore`), or notes that they differ
-(`changed`). An attribute is the same while it holds the same object: a value changed in place inside one (a
-list appended to) is not seen. A lazy module, whose first forward changes its class and attributes, is left out
-(the transaction puts it back as it was if the step fails).
+layerwise) gives each run the attributes as the step found them (`restore`). An attribute is the same while it
+holds the same object: a value changed in place inside one (a list appended to) is not seen. A lazy module,
+whose first forward changes its class and attributes, is left out (the transaction puts it back as it was if the
+step fails).
 """
 from __future__ import annotations
 
@@ -25,14 +25,6 @@ class ModuleAttributes:
 
     def __init__(self, modules: Iterable[nn.Module]) -> None:
         self.saved = {m: dict(vars(m)) for m in modules if not _lazy(m)}
-
-    def changed(self) -> tuple[nn.Module, str] | None:
-        """A module and an attribute it holds otherwise than when saved, if any."""
-        for m, before in self.saved.items():
-            key = differs(before, vars(m))
-            if key is not None:
-                return m, key
-        return None
 
     def restore(self) -> None:
         """Every module's attributes as saved: the same objects, in the same order, none added."""

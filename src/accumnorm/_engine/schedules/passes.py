@@ -94,7 +94,6 @@ class _Passes:
         self.grads_before = step.grad_versions()  # the parameters' .grad before the full pass
         self.runs = SameRuns()  # each micro-batch's BatchNorm inputs and loss, as its first run gave them
         self.running = RunningStatistics()
-        self.attributes = ModuleAttributes(step.modules)  # as each run of a forward finds them
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
@@ -190,7 +189,7 @@ class _Passes:
         for k in range(len(self.step.micro_batches)):
             self.k, self.index, self.instance_norms = k, 0, 0
             self.running.restore()
-            self.attributes.restore()
+            self.step.attributes.restore()
             self.step.rng.begin(k, restart=True)
             try:
                 yield k

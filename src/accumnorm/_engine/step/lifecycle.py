@@ -87,7 +87,7 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
         rng.start()
 
         def new_step() -> Step:
-            steps.append(Step(call, transaction, rng, interrupts))
+            steps.append(Step(call, transaction, rng, interrupts, attributes))
             return steps[-1]
 
         def start_over(step: Step) -> None:

@@ -21,6 +21,7 @@ from ..._dist import Collectives
 from ..checkpointing.recorded import RecordedRegions
 from ..intercept.calls import BNCall, INCall, NormCalls, Watch, describe, describe_layer
 from ..memory.heap import ResidentBound
+from ..safety.attributes import ModuleAttributes
 from ..safety.graphs import Graphs
 from ..safety.interrupts import SigintDeferred
 from ..safety.rng import StepRng
@@ -52,7 +53,8 @@ class Step:
     """One run of a `StepCall` by a schedule (module doc), inside the call's `transaction`, with its micro-batches'
     random streams (`rng`) and Ctrl-C taken at the schedule's safe points (`interrupts.check()`)."""
 
-    def __init__(self, call: StepCall, transaction: Transaction, rng: StepRng, interrupts: SigintDeferred) -> None:
+    def __init__(self, call: StepCall, transaction: Transaction, rng: StepRng, interrupts: SigintDeferred,
+                 attributes: ModuleAttributes) -> None:
         self.model, self.micro_batches, self.objective = call.model, call.micro_batches, call.objective
         self.collectives, self.exact = call.collectives, call.exact
         # The process's resident memory under the call's budget, on the CPU (`memory.heap`): started by the
@@ -61,6 +63,7 @@ class Step:
         self.rng, self.interrupts = rng, interrupts
         self.restore_buffers = transaction.restore_buffers  # undoes what a forward did to the buffers (run twice)
         self.transaction = transaction
+        self.attributes = attributes  # the modules' attributes as the schedule's forwards find them, for a run again
         self.join = transaction.join  # leaves a backward of the step's own will reach: those outside the model join
         self.modules = transaction.names  # every module of the model, once, with its name (`tree.module_names`)
         self.parameters = transaction.all_params  # every parameter of those modules, once (`tree.parameters`)
