@@ -99,11 +99,15 @@ class Collectives:
         dist.all_gather(out, flat, group=self.group)
         return combine_moments(Moments.unpack(torch.stack(out)))
 
+    def sum_each(self, tensors: list[Tensor]) -> list[Tensor]:
+        """Each tensor summed over the ranks, in one flat all-reduce: views of the one flat sum."""
+        flat = self.sum_(torch.cat([t.reshape(-1) for t in tensors]))
+        return [chunk.view_as(t) for t, chunk in zip(tensors, flat.split([t.numel() for t in tensors]))]
+
     def sum_grads_(self, params: list[nn.Parameter]) -> None:
         """Sum this step's gradients over the ranks in one flat all-reduce (unused parameters count as 0)."""
         if self.group is None or not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = self.sum_(torch.cat([g.reshape(-1) for g in grads]))
-        for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
-            p.grad = chunk.view_as(p).clone() if p.grad is None else p.grad.copy_(chunk.view_as(p))
+        for p, summed in zip(params, self.sum_each(grads)):
+            p.grad = summed.clone() if p.grad is None else p.grad.copy_(summed)

@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
+from .._dist import Collectives, rank_and_size
 from .._engine.args import BNMode, Schedule
 from .._engine.backward import backward
 from .._optimizer import check_optimizer
@@ -179,12 +180,11 @@ def _add_gradient(module: ExactAccumulation, term: Tensor, group: ProcessGroup |
     """Add the gradient of `term` to the module's parameters' `.grad`; under DDP, whose reducer the mixin keeps off,
     the ranks' mean, as DDP would make it."""
     params = [p for p in module.parameters() if p.requires_grad]
-    grads = torch.autograd.grad(term, params, allow_unused=True)
+    grads = list(torch.autograd.grad(term, params, allow_unused=True))
+    if group is not None:  # every rank reduces every parameter's (one unused as 0), in one flat all-reduce
+        summed = Collectives(group).sum_each([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+        grads = [g / rank_and_size(group)[1] for g in summed]
     for p, g in zip(params, grads):
-        if group is not None:  # every rank reduces every parameter's, in the same order
-            g = torch.zeros_like(p) if g is None else g
-            torch.distributed.all_reduce(g, group=group)
-            g = g / torch.distributed.get_world_size(group)
         if g is not None:
             p.grad = g if p.grad is None else p.grad + g
 
