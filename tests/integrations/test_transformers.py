@@ -17,6 +17,8 @@ from transformers import (  # noqa: E402
     MobileNetV2ForImageClassification,
     ResNetConfig,
     ResNetForImageClassification,
+    SegformerConfig,
+    SegformerForSemanticSegmentation,
     Trainer,
     TrainerCallback,
     TrainingArguments,
@@ -177,6 +179,47 @@ def test_a_count_normalized_loss_equals_the_stock_trainer_with_one_whole_batch(u
     whole_batch(oracle, trainer.steps, lambda model, batch: F.cross_entropy(
         model(batch["pixel_values"])["logits"], batch["labels"], ignore_index=-100))
     assert_state_close(ours.state_dict(), oracle.state_dict(), 1e-9)
+
+
+def segformer(labels: int) -> nn.Module:
+    """A tiny SegformerForSemanticSegmentation in float64 (BatchNorm in its decode head), its loss ignoring the
+    label 255 (`semantic_loss_ignore_index`, the config's default)."""
+    torch.manual_seed(0)
+    config = SegformerConfig(num_channels=1, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                             hidden_sizes=[8, 16], num_attention_heads=[1, 1], decoder_hidden_size=8,
+                             num_labels=labels, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                             classifier_dropout_prob=0.0, drop_path_rate=0.0)
+    return SegformerForSemanticSegmentation(config).double()
+
+
+def masks(n: int, labels: int) -> list[dict[str, torch.Tensor]]:
+    """n float64 16x16 images with a class per pixel (0 or 1 for a binary head); in every other sample the first 2 to
+    14 rows are 255, unlabelled, so that the micro-batches hold different numbers of labelled pixels."""
+    generator = torch.Generator().manual_seed(1)
+    samples = []
+    for i in range(n):
+        x = torch.randn(1, 16, 16, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, max(labels, 2), (16, 16), generator=generator)
+        y[: 2 + 3 * (i % 5) if i % 2 else 0] = 255
+        samples.append({"pixel_values": x, "labels": y})
+    return samples
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("labels", [3, 1])
+def test_a_segmentation_loss_that_ignores_the_configs_label_equals_whole_batch_torch(labels, tmp_path):
+    """Hugging Face's segmentation models leave out the pixels labelled with their config's ignore index (255), a
+    mean over the others; Segformer's binary head (one label) takes the mean over every pixel. Micro-batches of 2, 2
+    per step, with different numbers of unlabelled pixels: the parameters and running statistics are whole-batch
+    PyTorch's (measured against at least 1e-6: the attention's key bias has a gradient of 0 but for rounding), where
+    weights counting the labels that are not -100 were 0.78 off."""
+    data, start = masks(12, labels), segformer(labels)
+    ours, oracle = copy.deepcopy(start), copy.deepcopy(start)
+    trainer = train(ExactTrainer, ours, arguments(tmp_path, 2, 2, max_steps=3, max_grad_norm=0.0), data)
+    counted = [[int((b["labels"] != 255).sum()) for b in step] for step in trainer.steps]
+    assert any(a != b for a, b in counted)  # the micro-batches' labelled pixels differ, and so would the weights
+    whole_batch(oracle, trainer.steps, clip=0.0)
+    assert_trained_alike(ours.state_dict(), oracle.state_dict(), 1e-9)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

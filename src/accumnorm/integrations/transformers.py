@@ -20,8 +20,10 @@ model that ignores it (a mean over its samples, such as ResNetForImageClassifica
 micro-batch's mean, and the micro-batches are weighted by their counts over the whole batch: exact for
 token-level losses, a short last batch included. The Trainer counts items only for a model that takes
 `num_items_in_batch` (or with `compute_loss_func`); the weights count them, as it would, for any model with
-`labels`, so that a model's own mean over its valid labels (ignore_index=-100) is exact too. Without `labels`
-(or labels it cannot count) the weights are sample counts.
+`labels`, so that a model's own mean over its valid labels (ignore_index=-100) is exact too. A model whose config
+declares the label its loss ignores (the segmentation models' `semantic_loss_ignore_index` or `loss_ignore_index`,
+255) is weighted by its labels that are not that one. Without `labels` (or labels it cannot count) the weights are
+sample counts.
 
 Everything else is the Trainer's: logging, checkpoints and resume, `max_grad_norm`, LR schedulers, callbacks,
 `bf16` autocast and `fp16` (its GradScaler scales the loss here), DDP under torchrun (accumnorm reduces
@@ -128,7 +130,13 @@ class ExactTrainer(Trainer):
         over all processes) the whole batch's weights (its share of the items, or of the samples), and the
         count of items to pass as `num_items_in_batch` (None where the Trainer counts none)."""
         items = [_local_items(self, b) for b in batches]
-        labels = items if not all(n is None for n in items) else [_local_items(self, b, always=True) for b in batches]
+        ignored = None if self.compute_loss_func is not None else _ignored_label(self)
+        if ignored is not None:  # the model's own loss, over the labels its config does not ignore
+            labels = [_labels_not(b, *ignored) for b in batches]
+        elif all(n is None for n in items):
+            labels = [_local_items(self, b, always=True) for b in batches]
+        else:
+            labels = items
         counts = [float(n) if n is not None else float(_samples(b)) for n, b in zip(labels, batches)]
         totals = torch.tensor([sum(counts), len(batches)], dtype=torch.float64, device=self.args.device)
         if self.accelerator.num_processes > 1:
@@ -184,6 +192,27 @@ def _local_items(trainer: Trainer, batch: dict[str, Any], always: bool = False) 
     finally:
         args.average_tokens_across_devices = averaged
         trainer.model_accepts_loss_kwargs = accepts
+
+
+def _ignored_label(trainer: Trainer) -> tuple[int, bool] | None:
+    """The label the model's own loss leaves out, where its config declares one (Hugging Face's segmentation models:
+    `semantic_loss_ignore_index`, UperNet's `loss_ignore_index`, 255 by default), and whether the loss is a mean over
+    every label all the same (a head of one label: Segformer's binary loss masks the ignored pixels but divides by
+    all of them). None where the config declares none: the Trainer's count, which leaves out -100, holds."""
+    config = getattr(trainer.accelerator.unwrap_model(trainer.model), "config", None)
+    for name in ("semantic_loss_ignore_index", "loss_ignore_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value, getattr(config, "num_labels", None) == 1
+    return None
+
+
+def _labels_not(batch: dict[str, Any], ignored: int, every: bool) -> Tensor | int | None:
+    """The labels of one micro-batch that are not `ignored` (`every`: all of them); None without labels."""
+    labels = batch.get("labels")
+    if not isinstance(labels, Tensor):
+        return None
+    return labels.numel() if every else labels.ne(ignored).sum()
 
 
 def _loss_scale(trainer: Trainer, num_items: Any) -> float:
