@@ -25,7 +25,9 @@ optimizer step, learning-rate schedulers, checkpoints and loggers. To log the lo
 override adds to what it returns (a penalty on the weights) is back-propagated by the mixin's `backward`, as
 Lightning would, its gradient averaged over the ranks under DDP.
 In exact mode `training_loss` may run interleaved with the other micro-batches' (the layerwise schedule)
-or more than once per micro-batch (passes): log nothing from it.
+or more than once per micro-batch (passes): log nothing from it. In a batch whose backward Lightning skips
+(`StochasticWeightAveraging`'s last epoch, which recomputes the BatchNorm statistics of the averaged weights), the
+whole batch's statistics move the running ones, and the gradients are left as they were.
 
 Set-up (`on_fit_start`, before the sanity check and any step) refuses what would make the result
 wrong or silently untrained, each time saying what to change: `Trainer(accumulate_grad_batches=...)`
@@ -133,14 +135,34 @@ class ExactAccumulation:
         if not self._accumnorm_ready:
             raise RuntimeError(f"{type(self).__name__}.on_fit_start did not reach ExactAccumulation.on_fit_start, "
                                "which checks the trainer: call super().on_fit_start() from your override")
+        if getattr(self.trainer.fit_loop, "_skip_backward", False):
+            return self._statistics_only(batch)
         # NOTE: Lightning zeroes gradients after training_step and back-propagates its output; here the
         # gradient is made inside training_step, so it starts from zero here and the two hooks below do nothing.
         self.zero_grad(set_to_none=True)
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # "16-mixed" only
-        loss = backward(self, batch, self._accumnorm_loss, process_group=self._accumnorm_group, grad_scaler=scaler,
-                        **self.accumnorm_options)
+        loss = self._step(batch)
         self._accumnorm_has_grad = self._accumnorm_made_grad = True
         return loss
+
+    def _step(self, batch: Any) -> Tensor:
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # "16-mixed" only
+        return backward(self, batch, self._accumnorm_loss, process_group=self._accumnorm_group, grad_scaler=scaler,
+                        **self.accumnorm_options)
+
+    def _statistics_only(self, batch: Any) -> Tensor:
+        """A batch whose backward Lightning skips (StochasticWeightAveraging's epoch that recomputes the BatchNorm
+        statistics of the averaged weights): the whole batch's forward moves the running statistics, and the
+        gradients stay as they were, as Lightning leaves them. accumnorm has no step without a backward: the step's
+        gradient is made and put aside."""
+        params = list(self.parameters())
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            return self._step(batch)
+        finally:
+            for p, grad in zip(params, kept):
+                p.grad = grad
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """Lightning calls it after training_step: the gradient training_step has just made stays. A training_step that
