@@ -114,6 +114,19 @@ def test_bad_options_are_refused_before_anything_changes(kwargs, error, message)
         exact_loss(torch.nn.Linear(2, 2), 2)
 
 
+@pytest.mark.parametrize("cls, config", [("WorldModel", "yolov8s-worldv2.yaml"),
+                                         ("RTDETRDetectionModel", "rtdetr-l.yaml")])
+def test_a_model_with_a_loss_of_its_own_is_refused_before_anything_changes(cls, config):
+    """YOLO-World's loss runs its forward with the batch's text features, RT-DETR's with its targets (denoising):
+    the micro-batches' forwards, on the images alone, trained YOLO-World on other features (gradient 1.02 off)."""
+    import ultralytics.nn.tasks
+
+    model = getattr(ultralytics.nn.tasks, cls)(config, nc=3, verbose=False)
+    with pytest.raises(TypeError, match=f"got {cls}, whose loss\\(\\) is its own.*Nothing was changed"):
+        exact_loss(model, 2)
+    assert type(model).__name__ == cls and "_accumnorm" not in vars(model)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(batch_size=16), r"ultralytics would accumulate 4 batches of 16 per optimizer step \(nbs=64\)"),
     (dict(compile=True), r"compile=True makes ultralytics' loop run the whole batch through the model in one "

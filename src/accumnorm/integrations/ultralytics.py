@@ -14,17 +14,19 @@ by that batch's `target_scores_sum`.
 
 The training loop stays ultralytics' (augmentation, warmup, AMP, EMA, validation, checkpoints, callbacks).
 `exact_trainer` subclasses a trainer class (DetectionTrainer by default; any whose model computes its training
-loss as `model.loss(batch)`: segment, pose, obb) so that the model it builds gets an exact `loss`: in training,
-`loss(batch)` puts the gradient of the whole batch into `.grad` and returns the loss as a tensor detached from
-the model, so the trainer's `scaler.scale(loss).backward()` adds nothing more; under fp16 AMP the trainer's
-GradScaler scales it, as the trainer's own backward would. Copies and pickles of that model (the EMA,
-`last.pt`, `best.pt`) are of ultralytics' own class: checkpoints load without accumnorm.
+loss with BaseModel's `loss(batch)`, the criterion of `forward(batch["img"])`: segment, pose, obb, classify) so
+that the model it builds gets an exact `loss`: in training, `loss(batch)` puts the gradient of the whole batch
+into `.grad` and returns the loss as a tensor detached from the model, so the trainer's
+`scaler.scale(loss).backward()` adds nothing more; under fp16 AMP the trainer's GradScaler scales it, as the
+trainer's own backward would. Copies and pickles of that model (the EMA, `last.pt`, `best.pt`) are of
+ultralytics' own class: checkpoints load without accumnorm.
 
-Refused when training starts (a ValueError naming what to change): ultralytics' own accumulation (batch <
-nbs, also after an out-of-memory retry halved the batch), `compile=True` or a mode (its loop then runs the
-whole batch in one forward of its own and takes the loss of those outputs), several GPUs (the whole-batch loss
-form runs in one process), a model the trainer replaced after building it (distillation, quantization-aware
-training).
+Refused when the model is built (a TypeError): a model with a `loss` of its own (YOLO-World, YOLOE and RT-DETR
+run their forward with more of the batch than its images). Refused when training starts (a ValueError naming
+what to change): ultralytics' own accumulation (batch < nbs, also after an out-of-memory retry halved the
+batch), `compile=True` or a mode (its loop then runs the whole batch in one forward of its own and takes the
+loss of those outputs), several GPUs (the whole-batch loss form runs in one process), a model the trainer
+replaced after building it (distillation, quantization-aware training).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from .._engine.args import BNMode, Schedule, check_args
 os.environ.setdefault("YOLO_OFFLINE", "1")  # else ultralytics looks up DNS names when it is imported
 try:
     from ultralytics.models.yolo.detect import DetectionTrainer
+    from ultralytics.nn.tasks import BaseModel
     from ultralytics.utils.torch_utils import unwrap_model
 except ImportError as err:  # an optional integration: the core needs only torch
     raise ImportError("accumnorm.integrations.ultralytics needs ultralytics: pip install ultralytics") from err
@@ -110,6 +113,13 @@ def exact_loss(model: nn.Module, micro_batch_size: int, *, bn: BNMode = "exact",
         raise TypeError(f"expected an ultralytics model with a loss(batch, preds) method, got {type(model).__name__}")
     check_args(model, None, micro_batch_size, bn, schedule, forward_fn=_predict, batch_loss_fn=_predict)
     base = model._accumnorm_base if isinstance(model, _ExactLoss) else type(model)
+    if base.loss is not BaseModel.loss:
+        raise TypeError(
+            f"expected an ultralytics model whose loss is BaseModel's (the criterion of forward(batch['img'])), got "
+            f"{base.__name__}, whose loss() is its own: its forward takes more of the batch than the images (YOLO-"
+            "World's text features, YOLOE's prompts, RT-DETR's denoising targets), which exact_loss, running each "
+            "micro-batch's images through model(images), would leave out. Nothing was changed. Train it with "
+            "ultralytics' own loop")
     model.__class__ = _exact_class(base)
     model._accumnorm = _Options(micro_batch_size, bn, schedule)
     return model
