@@ -116,6 +116,34 @@ def test_a_term_added_to_the_returned_loss_is_back_propagated_as_lightning_would
     assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
 
 
+def test_a_learnable_tensor_outside_the_module_starts_each_step_from_no_gradient():
+    """A temperature held outside the module's parameters, in the optimizer: Lightning zeroes its gradient before
+    each step's backward, and the mixin, which keeps Lightning's zeroing off, left it to add up over the steps (the
+    network 0.012 off after 3 steps). 3 steps against whole-batch training, float64."""
+    class Tempered(lit_classifier()):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.temperature = torch.ones((), dtype=torch.float64, requires_grad=True)
+
+        def training_loss(self, batch):
+            return nn.functional.cross_entropy(self.net(batch[0]) / self.temperature, batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD([*self.parameters(), self.temperature], lr=0.5)
+
+    data = tiny_dataset(24)
+    model = Tempered(tiny_bn(), micro_batch_size=3)
+    trainer(precision="64-true").fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    oracle, temperature = tiny_bn(), torch.ones((), dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.SGD([*oracle.parameters(), temperature], lr=0.5)
+    for x, y in batches(data, 8, 3):
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(oracle(x) / temperature, y).backward()
+        optimizer.step()
+    assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
+    assert_state_close({"temperature": model.temperature}, {"temperature": temperature}, 1e-12)
+
+
 def test_stochastic_weight_averaging_trains_as_with_whole_batches():
     """StochasticWeightAveraging averages the weights of epochs 1 and 2, then runs one more epoch that recomputes the
     BatchNorm statistics with Lightning's backward skipped: the mixin back-propagated there anyway, and its gradient

@@ -139,7 +139,10 @@ class ExactAccumulation:
             return self._statistics_only(batch)
         # NOTE: Lightning zeroes gradients after training_step and back-propagates its output; here the
         # gradient is made inside training_step, so it starts from zero here and the two hooks below do nothing.
+        # The optimizer's tensors outside the module too (a learnable temperature), as Lightning's zeroing would.
         self.zero_grad(set_to_none=True)
+        for optimizer in self.trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)
         loss = self._step(batch)
         self._accumnorm_has_grad = self._accumnorm_made_grad = True
         return loss
