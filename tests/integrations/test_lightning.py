@@ -95,25 +95,48 @@ def test_a_batch_that_training_step_skips_steps_with_no_gradient_as_lightning_do
     assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
 
 
-def test_a_term_added_to_the_returned_loss_is_back_propagated_as_lightning_would():
-    """An override that adds a penalty to what training_step returns: Lightning back-propagates the sum, and the
-    mixin's backward ignored it (its gradient already made without the penalty): silently another loss. The term's
-    gradient is added to the step's, as whole-batch training with the penalty makes it."""
-    class Penalized(lit_classifier()):
+RETURNED = {  # what an override of training_step returns, from the mixin's loss and the module
+    "the loss plus a penalty": lambda loss, module: loss + small_penalty(module),
+    "a multiple of the loss": lambda loss, module: 0.25 * loss,
+    "a multiple of the loss plus a penalty": lambda loss, module: loss / 3 + small_penalty(module),
+}
+
+
+@pytest.mark.parametrize("returned", RETURNED)
+def test_what_training_step_returns_is_back_propagated_as_lightning_would(returned):
+    """An override of training_step that returns more than the mixin's loss: Lightning back-propagates what it
+    returns. The mixin's backward ignored a penalty added to it (its gradient already made without it) and a factor
+    on it (0.25 * loss trained as the loss, 0.27 off after 3 steps): silently another loss. Whole-batch training
+    back-propagates the same function of its loss."""
+    change = RETURNED[returned]
+
+    class Returning(lit_classifier()):
         def training_step(self, batch, batch_idx):
-            return super().training_step(batch, batch_idx) + small_penalty(self)
+            return change(super().training_step(batch, batch_idx), self)
 
     data = tiny_dataset(16)
-    model = Penalized(tiny_bn(), micro_batch_size=3)
+    model = Returning(tiny_bn(), micro_batch_size=3)
     trainer(precision="64-true").fit(model, torch.utils.data.DataLoader(data, batch_size=8))
     oracle = tiny_bn()
     optimizer, scheduler = sgd_halving(oracle.parameters())
     for x, y in batches(data, 8, 3):
         optimizer.zero_grad(set_to_none=True)
-        (nn.functional.cross_entropy(oracle(x), y) + small_penalty(oracle)).backward()
+        change(nn.functional.cross_entropy(oracle(x), y), oracle).backward()
         optimizer.step()
         scheduler.step()
     assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
+
+
+def test_a_returned_value_that_does_not_depend_on_the_loss_is_refused():
+    """Lightning back-propagates what training_step returns: a detached loss has nothing to back-propagate (Lightning
+    itself raises), and the gradient the mixin made would be another function's."""
+    class Detaching(lit_classifier()):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx).detach()
+
+    with pytest.raises(ValueError, match="returned a value that does not depend on the loss"):
+        trainer(precision="64-true").fit(Detaching(tiny_bn(), micro_batch_size=3),
+                                         torch.utils.data.DataLoader(tiny_dataset(16), batch_size=8))
 
 
 def test_a_learnable_tensor_outside_the_module_starts_each_step_from_no_gradient():

@@ -21,9 +21,9 @@ every rank) included, and returns that loss. Everything else is Lightning's auto
 unchanged: precision plugins (autocast; under "16-mixed" its GradScaler scales the loss, unscales the
 gradient before clipping and skips a step that overflows), `Trainer(gradient_clip_val=...)`, the
 optimizer step, learning-rate schedulers, checkpoints and loggers. To log the loss, override
-`training_step`: `loss = super().training_step(batch, batch_idx); self.log("train_loss", loss)`. A term the
-override adds to what it returns (a penalty on the weights) is back-propagated by the mixin's `backward`, as
-Lightning would, its gradient averaged over the ranks under DDP.
+`training_step`: `loss = super().training_step(batch, batch_idx); self.log("train_loss", loss)`. What the
+override returns is back-propagated as Lightning would: a multiple of the loss scales its gradient, and a term
+added to it (a penalty on the weights) adds its own, averaged over the ranks under DDP.
 In exact mode `training_loss` may run interleaved with the other micro-batches' (the layerwise schedule)
 or more than once per micro-batch (passes): log nothing from it. In a batch whose backward Lightning skips
 (`StochasticWeightAveraging`'s last epoch, which recomputes the BatchNorm statistics of the averaged weights), the
@@ -125,13 +125,15 @@ class ExactAccumulation:
         self._accumnorm_has_grad = False  # training_step made this step's gradient: backward must not be missed
         self._accumnorm_made_grad = False  # and optimizer_zero_grad must keep it
         self._accumnorm_loss = _micro_batch_loss  # compiled by on_fit_start when Lightning compiled the module
+        self._accumnorm_stand_in: Tensor | None = None  # the graph of the loss training_step returns (`backward`)
 
     def training_loss(self, batch: Any) -> Tensor:
         """The mean loss over one micro-batch, a scalar Tensor: implement it in the subclass."""
         raise NotImplementedError
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        """Put the whole batch's gradient in `.grad`, micro-batch by micro-batch; return its mean loss (detached)."""
+        """Put the whole batch's gradient in `.grad`, micro-batch by micro-batch; return its mean loss, whose graph is
+        a stand-in for `backward` to read what Lightning back-propagates."""
         if not self._accumnorm_ready:
             raise RuntimeError(f"{type(self).__name__}.on_fit_start did not reach ExactAccumulation.on_fit_start, "
                                "which checks the trainer: call super().on_fit_start() from your override")
@@ -145,7 +147,10 @@ class ExactAccumulation:
             optimizer.zero_grad(set_to_none=True)
         loss = self._step(batch)
         self._accumnorm_has_grad = self._accumnorm_made_grad = True
-        return loss
+        # The loss, with a stand-in of zero for its graph: `backward` reads from it what Lightning's backward of what
+        # training_step returns owes the loss (1 for the loss itself, 0.25 for `0.25 * loss`).
+        self._accumnorm_stand_in = torch.zeros((), dtype=loss.dtype, device=loss.device, requires_grad=True)
+        return loss + self._accumnorm_stand_in
 
     def _step(self, batch: Any) -> Tensor:
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # "16-mixed" only
@@ -176,16 +181,19 @@ class ExactAccumulation:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        """training_step has already put the gradient of the step's loss in `.grad`, and returned it detached. A loss
-        with a graph is that loss plus a term an override of training_step added (a penalty): the term's gradient is
-        added here, as Lightning's backward of the sum would add it, averaged over the ranks under DDP."""
+        """Lightning back-propagates what training_step returned (scaled by its GradScaler under "16-mixed"), whose
+        gradient with respect to the step's loss training_step has already put in `.grad`. What the returned value
+        owes the loss scales that gradient (`0.25 * loss` returned: a quarter of it), and a term added to it with a
+        graph of its own (a penalty) adds its gradient, averaged over the ranks under DDP, as Lightning's backward
+        would."""
         if not self._accumnorm_has_grad:
             raise RuntimeError(f"{type(self).__name__}.training_step returned a loss without calling "
                                "ExactAccumulation.training_step, so no gradient was computed; return "
                                "super().training_step(batch, batch_idx) from your override")
         self._accumnorm_has_grad = False
-        if loss.requires_grad:
-            _add_gradient(self, loss, self._accumnorm_group)
+        stand_in, self._accumnorm_stand_in = self._accumnorm_stand_in, None
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)  # the step's gradient is scaled already
+        _add_gradient(self, loss, stand_in, 1.0 if scaler is None else scaler.get_scale(), self._accumnorm_group)
 
     def on_fit_start(self) -> None:
         """Check the trainer before any step and find the process group of a DDP strategy; for a module Lightning
@@ -201,11 +209,26 @@ class ExactAccumulation:
         self._accumnorm_ready = True
 
 
-def _add_gradient(module: ExactAccumulation, term: Tensor, group: ProcessGroup | None) -> None:
-    """Add the gradient of `term` to the module's parameters' `.grad`; under DDP, whose reducer the mixin keeps off,
-    the ranks' mean, as DDP would make it."""
+def _add_gradient(module: ExactAccumulation, returned: Tensor, stand_in: Tensor, scale: float,
+                  group: ProcessGroup | None) -> None:
+    """Make `.grad` what Lightning's backward of `returned` would: the step's gradient (of its loss, times `scale`)
+    times what `returned` owes the loss over `scale`, plus the gradient of a term added to it; under DDP, whose
+    reducer the mixin keeps off, that term's as the ranks' mean, as DDP would make it."""
     params = [p for p in module.parameters() if p.requires_grad]
-    grads = list(torch.autograd.grad(term, params, allow_unused=True))
+    owed, *grads = (torch.autograd.grad(returned, [stand_in, *params], allow_unused=True) if returned.requires_grad
+                    else [None] * (len(params) + 1))
+    if owed is None:
+        raise ValueError(f"{type(module).__name__}.training_step returned a value that does not depend on the loss "
+                         "ExactAccumulation.training_step returned (detached?), whose gradient is already in .grad; "
+                         "Lightning back-propagates what training_step returns. Return that loss, a multiple of it, "
+                         "or it plus a term")
+    factor = float(owed) / scale
+    if factor != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    if all(g is None for g in grads):
+        return
     if group is not None:  # every rank reduces every parameter's (one unused as 0), in one flat all-reduce
         summed = Collectives(group).sum_each([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
         grads = [g / rank_and_size(group)[1] for g in summed]
