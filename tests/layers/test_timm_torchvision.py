@@ -16,7 +16,7 @@ import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import accumnorm
-from helpers import child_env, exact_vs_whole_batch
+from helpers import assert_unchanged, ce_loss, child_env, exact_vs_whole_batch, snapshot
 from models import data
 
 timm = pytest.importorskip("timm")
@@ -155,3 +155,28 @@ def test_unconverted_models_give_the_whole_batch_gradient(build):
     ours = copy.deepcopy(ref)
     assert not any(type(m).__module__.startswith("accumnorm") for m in ours.modules())
     exact_vs_whole_batch(ref, ours, data(IMAGE, 6, torch.float64), 2, 1e-8)
+
+
+@pytest.mark.parametrize("layer, message", [
+    ("split", "SplitBatchNorm2d .* normalizes each of its input's num_splits blocks of rows"),
+    ("evonorm", "EvoNorm2dB0 .* computes the batch variance by hand"),
+])
+def test_timm_layers_that_mix_the_samples_without_a_batch_norm_call_are_refused_before_the_step(layer, message):
+    """timm's SplitBatchNorm2d normalizes its input's row blocks apart (each micro-batch's blocks, not the whole
+    batch's: 1.7 off), EvoNorm2dB0 takes the batch variance by hand (running variance 0.22 off): no schedule sees
+    either, and the step ran on. Refused by name in training, nothing changed; in eval mode they run."""
+    from timm.layers import EvoNorm2dB0, convert_splitbn_model
+
+    torch.manual_seed(0)
+    if layer == "split":
+        model = convert_splitbn_model(tiny_resnet(), 2)
+    else:
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), EvoNorm2dB0(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.Linear(4, 10))
+    batch = data(IMAGE, 8, torch.float32)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=4)
+    assert_unchanged(model, before)
+    model.eval()
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=4)

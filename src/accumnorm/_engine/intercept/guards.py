@@ -2,9 +2,10 @@
 
 Before a step: layers whose batch statistics no schedule can see or make exact (a TorchScript BatchNorm, a
 torch.compile'd module with fullgraph=True, CUDA graphs or compiled autograd, nn.DataParallel's replica threads,
-a layer that declares it through `accumnorm_exact_refusal`, a norm function of torch.nn.functional a library
-replaced), and backward hooks that would hook the met call's node rather than the layer's. After it, the step's
-ledger holds every BatchNorm forward to a call the step saw (`step.ledger.check_every_call_seen`).
+a layer that declares it through `accumnorm_exact_refusal` or that `known` names, a norm function of
+torch.nn.functional a library replaced), and backward hooks that would hook the met call's node rather than the
+layer's. After it, the step's ledger holds every BatchNorm forward to a call the step saw
+(`step.ledger.check_every_call_seen`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
+from .known import library_refusal
 from .torchs import refuse_replaced_norm_function
 
 __all__ = ["gradient_hooks", "has_norm_statistics", "refuse_node_backward_hooks", "refuse_unseen_batch_norms"]
@@ -52,7 +54,7 @@ def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> Non
                              "or the Trainer under torchrun), or one device")
         # A method, looked up on the class: nn.Module's __getattr__ is slow to say a module has none.
         refusal = getattr(type(m), "accumnorm_exact_refusal", None)
-        reason = refusal(m, schedule) if callable(refusal) else None
+        reason = refusal(m, schedule) if callable(refusal) else library_refusal(m)
         if reason:
             raise ValueError(f"bn='exact' cannot make {type(m).__name__} ({where}) exact under the {schedule} "
                              f"schedule: {reason}")
