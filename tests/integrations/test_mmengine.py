@@ -162,6 +162,41 @@ def test_data_samples_collated_as_one_tensor_reach_loss_by_feat_as_the_whole_bat
     assert_state_close(exact.net.state_dict(), oracle.state_dict(), 1e-9)
 
 
+@pytest.mark.parametrize("where", [0, 7])
+def test_a_loss_term_some_micro_batches_lack_is_trained_and_logged_as_the_whole_batchs(where, tmp_path):
+    """A head whose loss has a term only where its samples call for it (one for the positives): the loop took the log
+    variables' names from micro-batch 0, so a term only a later micro-batch had was left out of the log, and one a
+    later micro-batch lacked raised KeyError after the step had written .grad. The one sample of class 0 is in
+    micro-batch 0 (of 3, 3, 2), or in the last: parameters and logged terms are whole-batch PyTorch's (a micro-batch
+    without the term adds 0 to it, as to the loss)."""
+    x, _ = tiny_dataset(8)[:]
+    y = torch.ones(8, dtype=torch.long)
+    y[where] = 0
+
+    class Positives(mm_classifier()):
+        def loss_by_feat(self, logits, data_samples):
+            losses = super().loss_by_feat(logits, data_samples)
+            labels = torch.stack([s.gt_label for s in data_samples])
+            if (labels == 0).any():
+                losses["loss_pos"] = logits[labels == 0].pow(2).sum() / len(logits)
+            return losses
+
+    model = Positives(tiny_bn())
+    run = runner(tmp_path, model, mm_samples(torch.utils.data.TensorDataset(x, y)), loop="ExactIterBasedTrainLoop",
+                 max_iters=1)
+    run.train()
+    oracle = tiny_bn()
+    optimizer = torch.optim.SGD(oracle.parameters(), lr=0.2, momentum=0.9)
+    logits = oracle(x)
+    terms = {"loss_cls": F.cross_entropy(logits, y), "loss_pos": logits[y == 0].pow(2).sum() / 8}
+    sum(terms.values()).backward()
+    assert nn.utils.clip_grad_norm_(oracle.parameters(), CLIP) > CLIP  # clipping is part of what is compared
+    optimizer.step()
+    assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
+    for name, value in {**terms, "loss": sum(terms.values())}.items():
+        assert run.message_hub.get_scalar(f"train/{name}").current() == pytest.approx(float(value), rel=1e-9)
+
+
 class Poison(Hook):
     """After iteration 2, the model's loss turns NaN (or its forward raises): iteration 3 fails."""
 

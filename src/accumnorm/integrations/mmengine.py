@@ -121,9 +121,22 @@ def _micro_batch_step(model: nn.Module, data_batch: Any, optim_wrapper: Any, sca
         return loss
 
     loss = accumnorm.backward(model, data_batch, loss_fn, grad_scaler=scaler, **options)
-    total = sum(n for n, _ in kept.values())
-    names = next(iter(kept.values()))[1]
-    return loss, {k: sum(n * v[k] for n, v in kept.values()) / total for k in names}
+    return loss, _whole_log_vars(list(kept.values()))
+
+
+def _whole_log_vars(parts: list[tuple[int, dict[str, Tensor]]]) -> dict[str, Tensor]:
+    """The whole batch's log variables from each micro-batch's (its samples, its variables), weighted by samples. A
+    variable some micro-batches lack (a head's term for positives that a micro-batch has none of) is, where it is a
+    loss term (mmengine sums those named `loss` into the loss), 0 there, as it added 0 to that micro-batch's loss;
+    any other is the mean over the micro-batches that have it."""
+    total = sum(n for n, _ in parts)
+    names = dict.fromkeys(name for _, log_vars in parts for name in log_vars)
+    whole = {}
+    for name in names:
+        having = [(n, log_vars[name]) for n, log_vars in parts if name in log_vars]
+        samples = total if "loss" in name else sum(n for n, _ in having)
+        whole[name] = sum(n * value for n, value in having) / samples
+    return whole
 
 
 def _whole_batch_step(model: nn.Module, data_batch: dict[str, Any], optim_wrapper: Any, scaler: Any,
