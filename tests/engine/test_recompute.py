@@ -881,3 +881,40 @@ def test_a_region_whose_recomputation_differs_from_its_forward_runs_under_layerw
         accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="recompute")
     choice = accumnorm.last_schedule(model)
     assert choice.schedule == "layerwise" and "recomputation gave other outputs" in choice.reason, choice
+
+
+REARRANGED = {  # the same values elsewhere: a sum and a sum of magnitudes do not change
+    "flipped": lambda h: h.flip(3),
+    "rolled": lambda h: h.roll(1, 2),
+    "channels shuffled": lambda h: h[:, random.sample(range(h.shape[1]), h.shape[1])],
+    "rows swapped": lambda h: h.flip(0),
+}
+
+
+class RandomlyRearranged(nn.Module):
+    """conv, its features rearranged half the time by a draw from Python's random (an augmentation in the model), BN."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.conv, self.bn, self.how = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), how
+
+    def forward(self, x):
+        h = self.conv(x)
+        return torch.tanh(self.bn(REARRANGED[self.how](h) if random.random() < 0.5 else h))
+
+
+@pytest.mark.parametrize("schedule", ["recompute", "segments"])
+@pytest.mark.parametrize("how", REARRANGED)
+def test_a_recomputation_that_rearranges_the_forwards_values_runs_under_layerwise(how, schedule):
+    """A recomputation that draws otherwise from Python's random and flips, rolls or shuffles its features where the
+    forward did not: the fingerprint of sums saw the same values and passed it, and the gradient mixed the two runs
+    (0.8-25 off). The fingerprint weighs each value by its place too: the step runs under layerwise, with a
+    warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), *[RandomlyRearranged(how) for _ in range(3)],
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10)).double()
+    batch = data((1, 6, 6), 8, torch.float64)
+    random.seed(0)
+    with pytest.warns(RuntimeWarning, match="gave (other outputs|another output) than its forward"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
+    assert accumnorm.last_schedule(model).schedule == "layerwise"

@@ -28,11 +28,11 @@ def tensor_leaves(out: Any) -> list[Tensor]:
 
 
 def fingerprint(outputs: list[Tensor]) -> Tensor:
-    """Two numbers per output, the sum of its values and of their magnitudes (a row each, in float64): what a later
-    run must give again."""
+    """Three numbers per output (a row each, in float64): the sum of its values, of their magnitudes, and of its
+    values weighted by where they are (`_weights`): what a later run must give again."""
     with torch.no_grad():
         if not outputs:
-            return torch.zeros(0, 2, dtype=torch.float64)
+            return torch.zeros(0, 3, dtype=torch.float64)
         return torch.stack([_sums(o) for o in outputs]).double()
 
 
@@ -43,7 +43,19 @@ def _sums(o: Tensor) -> Tensor:
     if not o.is_floating_point():
         o = o.double()
     accumulate = None if o.dtype in (torch.float32, torch.float64) else torch.float32
-    return torch.stack([o.sum(dtype=accumulate), torch.linalg.vector_norm(o, 1, dtype=accumulate)])
+    if o.dim() < 2:
+        o = o.reshape(-1, 1)
+    rows = o.sum(dim=tuple(range(1, o.dim())), dtype=accumulate)  # a pass over the values, as the sum's would be
+    sums = torch.cat([rows, o.sum(dim=0, dtype=accumulate).reshape(-1)])  # each row's, and each place's
+    return torch.stack([rows.sum(), torch.linalg.vector_norm(o, 1, dtype=accumulate), sums @ _weights(sums)])
+
+
+def _weights(sums: Tensor) -> Tensor:
+    """Weights for `sums`, each row's and each place's (over the rows) sum of an output's values: the same values
+    elsewhere (rows or places swapped, a flip, a roll, channels shuffled by a draw from Python's random) give another
+    weighted sum, where the plain sums stay. The fractional parts of multiples of the golden ratio, which no
+    reversal or shift maps onto themselves."""
+    return torch.arange(1, len(sums) + 1, dtype=sums.dtype, device=sums.device).mul_(0.6180339887498949).frac_()
 
 
 def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
