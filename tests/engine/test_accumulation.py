@@ -267,6 +267,24 @@ def test_bf16_autocast_keeps_statistics_in_float32(schedule):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_returned_loss_is_summed_in_the_losses_dtype_under_autocast(schedule, dtype):
+    """A float32 loss of about 8e4 under CPU autocast: the micro-batches' losses were summed under the caller's
+    autocast, in bfloat16 (80896 for 81073) or float16 (inf, and no error). The sum is the losses' own, float32, as
+    whole-batch torch's loss is."""
+    def loss_fn(model, batch):
+        return F.mse_loss(model(batch[0]).float(), batch[1]) * 3e4 + 7e4
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    batch = (torch.randn(8, 4), torch.randn(8, 1))
+    with torch.autocast("cpu", dtype=dtype):
+        want = loss_fn(copy.deepcopy(model), batch)
+        loss = accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, schedule=schedule)
+    assert loss.dtype == want.dtype == torch.float32
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("whole_loss", [False, True])
 @pytest.mark.parametrize("bn", ["exact", "micro"])
 def test_forwards_without_grad_leave_the_autocast_cache_alone(schedule, bn, whole_loss):

@@ -130,4 +130,5 @@ class Losses:
             k = int((~finite).nonzero()[0])
             raise ValueError(f"loss is not finite ({losses[k].item()}) for micro-batch {k}; nothing was changed")
         weights = torch.tensor(self.objective.weights, dtype=losses.dtype, device=losses.device)
-        return self.collectives.sum_(losses @ weights)
+        with torch.autocast(losses.device.type, enabled=False):  # the caller's would sum them in bfloat16 or float16
+            return self.collectives.sum_(losses @ weights)
