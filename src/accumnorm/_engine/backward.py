@@ -107,7 +107,8 @@ def backward(
             backward and what the allocator keeps of what it freed; on the CPU, the step hands the heap's free
             pages back once it has added four fifths of it (docs/schedules.md). A process's first step also
             makes what the process keeps for its life (torch's code paged in, kernels for the model's shapes),
-            past the budget: leave room for it.
+            past the budget: leave room for it. A schedule asked for by name keeps what it keeps, whatever the
+            budget (which must still hold the gradients): there the budget only says when the heap's pages go back.
             Default: None, a tenth less than the free memory of the model's device (on the CPU, the available
             memory the kernel reports).
         keep_every: the segments schedule's setting (with schedule="segments" only). Where regions form a chain,
