@@ -81,6 +81,17 @@ def check_log_dir(trainer: Any, log: str | os.PathLike | None) -> None:
         raise ValueError(problem)
 
 
+def train_mode(model: torch.nn.Module) -> None:
+    """Put `model` in train mode, but for the layers in another mode than the module holding them (a BatchNorm frozen
+    in eval mode, and what it holds), which keep theirs: `model.train()` would train a frozen layer's statistics."""
+    modes = {m: m.training for m in model.modules()}
+    apart = [child for parent in model.modules() for child in parent.children() if modes[child] != modes[parent]]
+    model.train()
+    for layer in apart:
+        for m in layer.modules():
+            m.training = modes[m]
+
+
 def loader_batch_size(loader: Iterable) -> int | None:
     """The batch size a DataLoader was built with (its batch_sampler's), at most its sampler's length; None for
     a loader that does not say."""

@@ -29,7 +29,7 @@ from ._engine.args import BNMode, Schedule, check_args, check_compile_options
 from ._engine.backward import backward
 from ._engine.memory.store import resolve_store
 from ._files import atomic_open
-from ._fit import FitLoop, check_fit_args, check_log_dir
+from ._fit import FitLoop, check_fit_args, check_log_dir, train_mode
 from ._optimizer import check_optimizer
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -109,14 +109,23 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def step(self, batch: Any) -> float:
         """One optimizer step over ``batch`` (this rank's shard under a process group); returns the
-        mean loss over the whole (global) batch."""
-        self.model.zero_grad(set_to_none=True)
-        batch = _dist.map_batch(lambda t: t.to(self.device, non_blocking=True), batch)
-        with self.autocast():
-            # the gradient of the mean loss over the whole global batch, summed across ranks inside
-            loss = backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
-                            schedule=self.schedule, store=self.store, process_group=self.process_group,
-                            grad_scaler=self.scaler)
+        mean loss over the whole (global) batch. A step that fails before the optimizer's leaves the gradients as
+        they were."""
+        tensors = self._tensors()
+        kept = [t.grad for t in tensors]
+        for t in tensors:  # the model's, and the optimizer's outside it (a learnable temperature)
+            t.grad = None
+        try:
+            batch = _dist.map_batch(lambda t: t.to(self.device, non_blocking=True), batch)
+            with self.autocast():
+                # the gradient of the mean loss over the whole global batch, summed across ranks inside
+                loss = backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
+                                schedule=self.schedule, store=self.store, process_group=self.process_group,
+                                grad_scaler=self.scaler)
+        except BaseException:
+            for t, grad in zip(tensors, kept):
+                t.grad = grad
+            raise
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
         if self.max_grad_norm is not None:
@@ -134,6 +143,13 @@ class Trainer:
         self.step_count += 1
         return loss.item()
 
+    def _tensors(self) -> list[torch.Tensor]:
+        """The tensors whose gradient a step makes: the model's parameters and the optimizer's, once each."""
+        tensors = {id(p): p for p in self.model.parameters()}
+        for group in self.optimizer.param_groups:
+            tensors.update((id(p), p) for p in group["params"])
+        return list(tensors.values())
+
     # ------------------------------------------------------------------ the loop
     def fit(self, loader: Iterable, *, steps: int | None = None, epochs: int | None = None,
             eval_fn: Callable[[torch.nn.Module], float | dict[str, float]] | None = None,
@@ -141,6 +157,9 @@ class Trainer:
             checkpoint_every: int | None = None) -> dict[str, float]:
         """Train until ``step_count`` reaches ``steps`` or ``epoch`` reaches ``epochs`` (both count
         across resumes); returns the last logged metrics.
+
+        The model trains in train mode, but for the layers kept in eval mode apart from the module holding them (a
+        frozen BatchNorm), which stay in it.
 
         ``loader`` yields this rank's batches and is iterated once per epoch; the effective batch it
         reports is the loader's batch size (a DataLoader's), else the largest batch seen. ``eval_fn(model)``
@@ -164,7 +183,7 @@ class Trainer:
         check_log_dir(self, log)
         if log is not None:
             self.run_dir = Path(log)
-        self.model.train()
+        train_mode(self.model)
         with FitLoop(self, loader, steps=steps, epochs=epochs, eval_fn=eval_fn, eval_every=eval_every, log=log,
                      checkpoint_every=checkpoint_every) as loop:
             while not loop.done():

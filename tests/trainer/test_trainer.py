@@ -314,6 +314,33 @@ def test_after_an_evaluation_the_model_trains_in_train_mode(fails, tmp_path):
     assert [int(m.num_batches_tracked) for m in norms] == [n + 1 for n in counted]
 
 
+def test_a_layer_frozen_in_eval_mode_stays_frozen_through_fit(tmp_path):
+    """fit put the whole model in train mode, and a BatchNorm the user froze (eval mode, its running statistics used
+    and kept) trained: its running mean moved, and the steps were another model's (1.9e3 off). It stays in eval mode,
+    as in a plain PyTorch loop, and the rest of the model trains; the model in eval mode as a whole trains."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 1, 8, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    model = small_net()
+    model[5].p = 0.0  # no dropout: the two runs would draw other masks
+    model[1].eval()  # frozen
+    oracle = copy.deepcopy(model)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=4)
+    trainer.fit(loader, steps=2, log=None)
+    assert not model[1].training and model[7].training and model.training
+    optimizer = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    for batch in loader:
+        optimizer.zero_grad()
+        ce_loss(oracle, batch).backward()
+        optimizer.step()
+    assert_state_close(model.state_dict(), oracle.state_dict(), 1e-5)
+
+    model.eval()
+    Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=4).fit(
+        loader, steps=1, log=None)
+    assert all(m.training for m in model.modules())
+
+
 def test_evaluations_show_in_the_progress_bar_and_in_a_line_each(tmp_path, capsys):
     trainer = _sgd_trainer()
     scores = iter([0.25, 0.5, 0.75])
@@ -339,9 +366,12 @@ def test_an_optimizer_that_also_steps_a_learnable_temperature_of_the_loss_trains
 
     x, y = torch.randn(8, 1, 8, 8, dtype=torch.float64), torch.randint(0, 3, (8,))
     optimizers = [torch.optim.SGD([*m.parameters(), t], lr=0.5) for m, t in zip((ref, ours), temperatures)]
-    loss_fn(temperatures[0])(ref, (x, y)).backward()
-    optimizers[0].step()
-    Trainer(ours, optimizers[1], loss_fn(temperatures[1]), micro_batch_size=2).step((x, y))
+    trainer = Trainer(ours, optimizers[1], loss_fn(temperatures[1]), micro_batch_size=2)
+    for _ in range(2):  # the temperature's gradient starts from none at each step, as the model's does
+        optimizers[0].zero_grad()
+        loss_fn(temperatures[0])(ref, (x, y)).backward()
+        optimizers[0].step()
+        trainer.step((x, y))
     assert_state_close(ours.state_dict(), ref.state_dict(), 1e-10)
     torch.testing.assert_close(temperatures[1], temperatures[0], rtol=1e-12, atol=0)
     assert float(temperatures[1]) != 2.0

@@ -218,3 +218,17 @@ def test_the_trainer_refuses_a_model_without_parameters_and_a_non_optimizer():
     model = small_net()
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got list"):
         Trainer(model, list(model.parameters()), ce_loss, micro_batch_size=2)
+
+
+def test_a_step_that_fails_leaves_the_gradients_as_they_were():
+    """A step set every gradient aside before its backward, and one that failed (a NaN loss here) left none: a failed
+    step changes nothing, the gradients included."""
+    trainer = _trainer()
+    for p in trainer.model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    before = _state(trainer)
+    x, y = _batch()
+    with pytest.raises(ValueError, match="loss is not finite"):
+        trainer.step((x * float("nan"), y))
+    _unchanged(trainer, before)
+    assert all(p.grad is not None and bool((p.grad == 7.0).all()) for p in trainer.model.parameters())
