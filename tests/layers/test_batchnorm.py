@@ -106,3 +106,17 @@ def test_lazy_layer_keeps_a_state_dict_loaded_before_its_first_forward():
     x = torch.randn(2, 3, 4, 4)
     torch.testing.assert_close(lazy(x), eager.eval()(x))
     assert float(lazy.weight[0]) == 2.0 and float(lazy.running_var[0]) == 4.0 and lazy.num_features == 3
+
+
+def test_lazy_layer_given_only_its_running_statistics_keeps_them_at_its_first_forward():
+    """A state_dict with the running statistics alone (strict=False): the first forward materialized the weight and
+    bias, and reset every tensor, the loaded statistics among them (zeroed, silently). The weight and bias get their
+    initial values; the statistics stay as loaded."""
+    lazy = BatchNorm2d()
+    stats = {"running_mean": torch.full((3,), 5.0), "running_var": torch.full((3,), 9.0),
+             "num_batches_tracked": torch.tensor(100)}
+    lazy.load_state_dict(stats, strict=False)
+    lazy.eval()
+    x = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(lazy(x), (x - 5.0) / (9.0 + lazy.eps) ** 0.5)
+    assert int(lazy.num_batches_tracked) == 100 and float(lazy.weight[0]) == 1.0 and float(lazy.bias[0]) == 0.0

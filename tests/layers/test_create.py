@@ -178,3 +178,20 @@ def test_convert_rebinds_a_method_the_layer_holds_to_the_new_layer():
     bn.original_forward = bn.forward  # e.g. a wrapper keeping the forward it wraps
     out = accumnorm.convert(bn)
     assert out.original_forward.__self__ is out
+
+
+def test_a_layer_a_state_dict_made_before_its_first_forward_reverts_to_a_working_torch_layer():
+    """accumnorm's lazy BatchNorm2d given its tensors by a state_dict keeps its lazy hooks (and num_features None)
+    until its first forward: revert carried both over to torch's BatchNorm2d, whose forward then failed
+    (AttributeError: no initialize_parameters) and which said num_features=None."""
+    torch.manual_seed(0)
+    eager = nn.BatchNorm2d(3)
+    with torch.no_grad():
+        eager.running_mean.fill_(1.0)
+        eager.weight.fill_(2.0)
+    lazy = nn.Sequential(nn.Conv2d(1, 3, 1), accumnorm.BatchNorm2d())
+    lazy.load_state_dict(nn.Sequential(nn.Conv2d(1, 3, 1), eager).state_dict())
+    out = accumnorm.revert(lazy)
+    assert type(out[1]) is nn.BatchNorm2d and out[1].num_features == 3 and not out[1]._forward_pre_hooks
+    x = torch.randn(2, 1, 4, 4)
+    torch.testing.assert_close(out[1].eval()(x.expand(2, 3, 4, 4)), eager.eval()(x.expand(2, 3, 4, 4)))

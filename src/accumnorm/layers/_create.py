@@ -149,6 +149,8 @@ def _rebuild(module: nn.Module, mapping: dict[type, type], memo: dict[int, nn.Mo
         _carry_over(module, out)
         if type(module) in _TORCH_LAZY:
             _from_torch_lazy(out, features)
+        elif features is not None:
+            _shape_known(out, features)
     memo[id(module)] = out
     # Every slot, not named_children(), which skips a module's second slot; also carries timm's act and drop over.
     for name, child in list(module._modules.items()):
@@ -160,12 +162,22 @@ def _rebuild(module: nn.Module, mapping: dict[type, type], memo: dict[int, nn.Mo
 def _from_torch_lazy(out: nn.Module, features: int | None) -> None:
     """What `_carry_over` took from torch's lazy layer that accumnorm's holds its own way: the channel count (None
     while lazy, not torch's 0), buffers still uninitialized (accumnorm's deep-copy), and the lazy hooks of a layer
-    whose shape is known (while it is lazy, torch's hooks, rebound to the new layer, run its lazy code)."""
+    whose shape is known (`_shape_known`; while it is lazy, torch's hooks, rebound to the new layer, run its lazy
+    code)."""
     out.num_features = features
     for name, buffer in out._buffers.items():
         if is_lazy(buffer):
             out._buffers[name] = _UninitializedBuffer(device=buffer.device, dtype=buffer.dtype)
     if features is not None:
+        _shape_known(out, features)
+
+
+def _shape_known(out: nn.Module, features: int) -> None:
+    """A layer whose channel count is known: that count, where `_carry_over` took a lazy layer's None (or torch's 0),
+    and none of the lazy hooks a lazy layer keeps until its first forward, also after a state_dict gave it its
+    tensors: on a layer that is never lazy they would run lazy code it has not."""
+    out.num_features = features
+    if hasattr(out, "_initialize_hook"):
         out._initialize_hook.remove()
         out._load_hook.remove()
         del out._initialize_hook, out._load_hook

@@ -99,16 +99,21 @@ class LazyNormMixin(LazyModuleMixin):
     def initialize_parameters(self, input: Tensor) -> None:  # type: ignore[override]
         """Called by the lazy pre-forward hook: learn C from the first input and materialize."""
         self._check_input_dim(input)
+        tensors = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None]
+        lazy = [t for t in tensors if is_lazy(t)]
+        given = [(t, t.detach().clone()) for t in tensors if not is_lazy(t)]  # by a state_dict, or never lazy
         # A state_dict loaded before the first forward has already materialized the shapes: they win.
-        loaded = [t for t in self._parameters.values() if t is not None and not is_lazy(t)]
-        c = loaded[0].shape[0] if loaded else input.shape[self._feature_dim(input)]
-        lazy = [t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None and is_lazy(t)]
+        shaped = [t for t, _ in given if t.dim() == 1]
+        c = shaped[0].shape[0] if shaped else input.shape[self._feature_dim(input)]
         with torch.no_grad():
             for tensor in lazy:
                 tensor.materialize((c,))
         setattr(self, self._features_attr, c)
-        if lazy:  # as torch's lazy norms: values a state_dict loaded (all of them) are kept, else all are reset
+        if lazy:  # the tensors still lazy get their initial values; those a state_dict gave keep theirs
             self.reset_parameters()
+            with torch.no_grad():
+                for tensor, value in given:
+                    tensor.copy_(value)
 
     def reset_parameters(self) -> None:
         if not self.has_uninitialized_params():
