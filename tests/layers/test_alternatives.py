@@ -83,10 +83,12 @@ def test_frn_and_evonorm_are_per_sample():
         torch.testing.assert_close(m(x)[1:2], m(x[1:2]))
 
 
-def test_batch_renorm_during_warmup_is_torch_batchnorm():
-    """r_max = 1, d_max = 0: outputs, gradients and running statistics of torch's BatchNorm2d."""
-    ours, ref = _randomize(BatchRenorm2d(32, warmup=10, r_max_at=20, d_max_at=20).double()), \
-        _randomize(torch.nn.BatchNorm2d(32).double())
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_renorm_during_warmup_is_torch_batchnorm(momentum):
+    """r_max = 1, d_max = 0: outputs, gradients and running statistics of torch's BatchNorm2d, also with
+    momentum=None (torch's cumulative average: it failed in lerp_)."""
+    ours, ref = _randomize(BatchRenorm2d(32, momentum=momentum, warmup=10, r_max_at=20, d_max_at=20).double()), \
+        _randomize(torch.nn.BatchNorm2d(32, momentum=momentum).double())
     for step in range(3):
         x = _x(seed=step).requires_grad_()
         y, y_ref = ours(x), ref(x)
@@ -98,6 +100,18 @@ def test_batch_renorm_during_warmup_is_torch_batchnorm():
         torch.testing.assert_close(ours.state_dict()[key], ref.state_dict()[key])
     ours.eval(), ref.eval()
     torch.testing.assert_close(ours(_x(seed=9)), ref(_x(seed=9)))
+
+
+def test_batch_renorm_takes_bfloat16_input_with_float32_statistics_as_torchs_batchnorm():
+    """Autocast gives a bfloat16 activation to a layer whose parameters and statistics are float32: torch's
+    BatchNorm2d takes it, BatchRenorm2d failed moving its running statistics (lerp_ of another dtype)."""
+    ours, ref = BatchRenorm2d(8, warmup=10, r_max_at=20, d_max_at=20), torch.nn.BatchNorm2d(8)
+    x = _x(c=8).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = ours(x.bfloat16()), ref(x.bfloat16())
+    assert y.dtype == y_ref.dtype and ours.running_mean.dtype == torch.float32
+    torch.testing.assert_close(y.float(), y_ref.float(), atol=0.05, rtol=0.05)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean, atol=0.02, rtol=0.02)
 
 
 def test_batch_renorm_corrects_towards_the_running_statistics_with_r_and_d_held_constant():
@@ -139,10 +153,12 @@ def test_batch_renorm_warmup_schedule():
         BatchRenorm2d(4, r_max=0.5)
 
 
-def test_stale_batchnorm_normalizes_with_the_previous_steps_whole_batch_statistics():
-    """Micro-batches of a step use the last step's statistics; its step end makes them the whole batch's."""
-    m = _randomize(StaleBatchNorm2d(32).double())
-    ref = _randomize(torch.nn.BatchNorm2d(32).double())  # torch's BatchNorm on the whole batch: the oracle
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_stale_batchnorm_normalizes_with_the_previous_steps_whole_batch_statistics(momentum):
+    """Micro-batches of a step use the last step's statistics; its step end makes them the whole batch's. With
+    momentum=None too: torch's cumulative average over the steps (it failed in lerp_)."""
+    m = _randomize(StaleBatchNorm2d(32, momentum=momentum).double())
+    ref = _randomize(torch.nn.BatchNorm2d(32, momentum=momentum).double())  # torch's on the whole batch: the oracle
     steps = [_x(n=6, seed=s) for s in range(3)]
     stale_mean, stale_var = torch.zeros(32, dtype=torch.float64), torch.ones(32, dtype=torch.float64)
     for x in steps:

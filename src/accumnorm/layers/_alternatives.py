@@ -108,7 +108,7 @@ class BatchRenorm2d(ChannelNorm):
 
     Args:
         num_features: channels C, or None to infer them from the first input.
-        eps, momentum: as torch's BatchNorm2d.
+        eps, momentum: as torch's BatchNorm2d (momentum=None: the cumulative average).
         r_max, d_max: the clipping bounds after the warm-up.
         warmup, r_max_at, d_max_at: training forwards at which the bounds start to grow, and reach their final values.
 
@@ -170,9 +170,10 @@ class BatchRenorm2d(ChannelNorm):
         out = F.batch_norm(x, None, None, self.weight * r, self.bias + self.weight * d, True, 0.0, self.eps)
         with torch.no_grad():
             n = x.numel() // x.shape[1]
-            self.running_mean.lerp_(mean_b, self.momentum)
-            self.running_var.lerp_(var_b * n / (n - 1), self.momentum)
             self.num_batches_tracked.add_(1)
+            factor = _factor(self.momentum, self.num_batches_tracked)
+            self.running_mean.lerp_(mean_b.to(self.running_mean.dtype), factor)
+            self.running_var.lerp_((var_b * n / (n - 1)).to(self.running_var.dtype), factor)
         return out
 
     def extra_repr(self) -> str:
@@ -200,7 +201,8 @@ class StaleBatchNorm2d(ChannelNorm):
 
     Args:
         num_features: channels C, or None to infer them from the first input.
-        eps, momentum: as torch's BatchNorm2d (momentum of the running statistics, per step).
+        eps, momentum: as torch's BatchNorm2d (momentum of the running statistics, per step; None: their
+            cumulative average over the steps).
 
     Shape:
         Input (N, C, H, W), output the same.
@@ -252,12 +254,19 @@ class StaleBatchNorm2d(ChannelNorm):
             return  # idempotent: a second call in the same step changes nothing
         self.stale_mean.copy_(self.step_mean)
         self.stale_var.copy_(self.step_m2 / n)
-        self.running_mean.lerp_(self.step_mean, self.momentum)
-        self.running_var.lerp_(self.step_m2 / max(n - 1, 1), self.momentum)
         self.num_batches_tracked.add_(1)
+        factor = _factor(self.momentum, self.num_batches_tracked)
+        self.running_mean.lerp_(self.step_mean, factor)
+        self.running_var.lerp_(self.step_m2 / max(n - 1, 1), factor)
         self.step_count.zero_()
         self.step_mean.zero_()
         self.step_m2.zero_()
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"
+
+
+def _factor(momentum: float | None, tracked: Tensor) -> float:
+    """How far the running statistics move to a batch's, as torch's BatchNorm moves them: by `momentum`, or with
+    momentum=None by 1 / the updates counted so far (this one included), their cumulative average."""
+    return momentum if momentum is not None else 1.0 / float(tracked)
