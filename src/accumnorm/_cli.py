@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, help=f"--task simclr: NT-Xent's temperature (default {c.temperature})")
     s.add_argument("--seed", type=int, help=f"run r uses seed + r (default {d.seed})")
     s.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    s.add_argument("--out", help="output directory (default study-out/quick with --quick, else study-out/<dataset>)")
+    s.add_argument("--out", help="output directory (default study-out/quick with --quick, else study-out/<dataset>; "
+                                    "study-out/simclr-quick and study-out/simclr-<dataset> with --task simclr)")
     s.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     s.add_argument("--workers", type=int,
                    help="processes training cells in parallel, splitting the --threads budget (default on a CPU: one "
@@ -120,7 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\naccumnorm study: interrupted; {kept}", file=sys.stderr)
         return 130
     print((Path(written) / "summary.md").read_text())
-    print(f"wrote {out}/summary.md, curves.png, report.html, results.csv")
+    files = [name for name in ("summary.md", "curves.png", "report.html", "results.csv")
+             if (Path(written) / name).exists()]
+    print(f"wrote {out}/{', '.join(files)}")
     return 0
 
 

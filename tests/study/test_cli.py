@@ -104,6 +104,7 @@ TINY_RUN = ["--quick", "--norms", "none", "--configs", "2x1", "--runs", "1", "--
     (["--iterations", "-3"], "iterations must be a positive int, got -3"),
     (["--eval-every", "0"], "eval_every must be a positive int, got 0"),
     (["--seed", "-1"], "seed must be an int from 0 to 2**64 - runs"),
+    (["--device", "meta"], "device must hold data to train on, like 'cpu' or 'cuda', got 'meta'"),  # every cell failed
 ])
 def test_bad_numeric_flags_are_one_line_errors_before_anything_runs(tmp_path, capsys, flags, message):
     out = tmp_path / "out"

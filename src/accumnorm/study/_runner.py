@@ -111,6 +111,8 @@ def _device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"device must be like 'cpu' or 'cuda', got {device!r}") from err
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "meta":
+        raise ValueError(f"device must hold data to train on, like 'cpu' or 'cuda', got {device!r}")
     return dev
 
 
