@@ -74,6 +74,15 @@ def test_bad_num_features(bad, exc):
         BatchNorm2d(bad)
 
 
+def test_an_integer_of_another_type_is_a_channel_count_as_for_torchs_layers():
+    """torch's BatchNorm2d takes numpy's int64 (a channel count read from an array, a config): it was refused."""
+    import numpy as np
+
+    m = BatchNorm2d(np.int64(8))
+    assert type(m.num_features) is int and m.num_features == 8 == torch.nn.BatchNorm2d(np.int64(8)).num_features
+    assert m(torch.randn(2, 8, 3, 3)).shape == (2, 8, 3, 3)
+
+
 def test_wrong_rank_and_channels_give_clear_errors():
     m = BatchNorm2d(4)
     with pytest.raises(ValueError, match=r"expected 4D input \(got 3D input\)"):

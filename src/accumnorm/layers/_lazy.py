@@ -14,6 +14,7 @@ norm itself; and `nn.DataParallel` replicates any layer whose shape is known.
 """
 from __future__ import annotations
 
+import numbers
 import types
 from collections.abc import Callable
 from typing import Any
@@ -29,14 +30,15 @@ __all__ = ["check_num_features", "norm_forward", "LazyNormMixin", "LazyNormBase"
 
 
 def check_num_features(value: Any, name: str = "num_features") -> int | None:
-    """Validate a channel count given to a norm constructor: a positive int or None (lazy)."""
+    """Validate a channel count given to a norm constructor: a positive int (any integer type torch's layers take,
+    such as numpy's int64, as a Python int) or None (lazy)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be a positive int or None (lazy), got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be a positive int or None (lazy), got {value}")
-    return value
+    return int(value)
 
 
 def norm_forward(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
