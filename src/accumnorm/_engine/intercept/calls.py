@@ -258,7 +258,7 @@ class NormCalls(TorchFunctionMode):
                     "bn='exact' cannot make a BatchNorm call inside torch.utils.checkpoint(..., use_reentrant=True) "
                     "exact: its backward recomputes the forward outside accumnorm's step, with this micro-batch's "
                     "statistics alone. Use torch.utils.checkpoint(..., use_reentrant=False), which accumnorm makes "
-                    "exact")
+                    "exact (Hugging Face: gradient_checkpointing_kwargs={'use_reentrant': False})")
             raise ValueError(
                 f"bn='exact' cannot make a BatchNorm call inside the forward of the custom autograd.Function "
                 f"{name} exact: its backward is its own, and cannot use the whole batch's BatchNorm sums. Nothing was "
