@@ -116,8 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"accumnorm study: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the runs already finished are in results.csv, and the same command goes on from them
-        kept = f"the finished runs are kept in {out}: run the same command again to go on from them" if out else \
-            "nothing was written"
+        kept = f"the finished runs are kept in {out}: run the same command again to go on from them" \
+            if out and Path(out).exists() else "nothing was written"
         print(f"\naccumnorm study: interrupted; {kept}", file=sys.stderr)
         return 130
     print((Path(written) / "summary.md").read_text())

@@ -3,6 +3,7 @@ import csv
 import json
 import re
 import statistics
+from pathlib import Path
 
 import pytest
 from torch import nn
@@ -67,15 +68,21 @@ def test_a_tiny_study_from_the_command_line(tmp_path):
     assert len((out / "results.csv").read_text().splitlines()) == 1 + 2
 
 
-def test_ctrl_c_says_in_one_line_that_the_same_command_goes_on(monkeypatch, tmp_path, capsys):
-    def interrupted(*args, **kwargs):
+@pytest.mark.parametrize("started", [True, False])
+def test_ctrl_c_says_in_one_line_that_the_same_command_goes_on(monkeypatch, tmp_path, capsys, started):
+    """Once the study has its directory, the same command goes on from it; before (a Ctrl-C while torch imports),
+    there is nothing to go on from, and the line said the runs were kept in a directory that did not exist."""
+    def interrupted(out, *args, **kwargs):
+        if started:
+            Path(out).mkdir()
         raise KeyboardInterrupt
 
     monkeypatch.setattr(accumnorm.study, "run_study", interrupted)
     assert main(["study", "--quick", "--out", str(tmp_path / "q")]) == 130
     err = capsys.readouterr().err
-    assert err.strip() == (f"accumnorm study: interrupted; the finished runs are kept in {tmp_path / 'q'}: run the "
-                           "same command again to go on from them")
+    assert err.strip() == ((f"accumnorm study: interrupted; the finished runs are kept in {tmp_path / 'q'}: run the "
+                            "same command again to go on from them") if started else
+                           "accumnorm study: interrupted; nothing was written")
 
 
 def test_help_lists_the_options(capsys):
