@@ -60,6 +60,14 @@ def test_unknown_names_list_the_alternatives():
         accumnorm.norm("renorm")
 
 
+@pytest.mark.parametrize("name, layer", [("bn", "BatchNorm2d"), ("gn4", "GroupNorm"), ("brn", "BatchRenorm2d")])
+def test_a_keyword_the_layer_does_not_take_names_the_layer_and_what_it_takes(name, layer):
+    """The error came from the base class that refused it (LazyNormBase.__init__), naming neither."""
+    with pytest.raises(TypeError, match=rf"norm\('{name}'\) builds {layer}, which takes num_\w+, .*eps.*: got an "
+                                        r"unexpected keyword argument 'epsilon'"):
+        accumnorm.norm(name, 8, epsilon=1e-3)
+
+
 @pytest.mark.parametrize("ours_cls, timm_name", [(FilterResponseNorm2d, "FilterResponseNormTlu2d"),
                                                   (EvoNorm2dS0, "EvoNorm2dS0")])
 def test_frn_and_evonorm_s0_agree_with_timm(ours_cls, timm_name):

@@ -81,7 +81,14 @@ def norm_layer(name: str) -> NormLayer:
 
 def norm(name: str, num_features: int | None = None, **kwargs: Any) -> nn.Module:
     """Build the norm `name` (see `norm_layer`), lazy when num_features is None; kwargs go to its constructor."""
-    return norm_layer(name)(num_features, **kwargs)
+    build = norm_layer(name)
+    cls = build.func if isinstance(build, partial) else build
+    try:  # a keyword the layer does not take is named with the layer, not with the base class that refuses it
+        inspect.signature(build).bind(num_features, **kwargs)
+    except TypeError as err:
+        takes = ", ".join(inspect.signature(build).parameters)
+        raise TypeError(f"norm({name!r}) builds {cls.__name__}, which takes {takes}: {err}") from None
+    return build(num_features, **kwargs)
 
 
 _TO_ACCUM: dict[type, type] = {
