@@ -139,10 +139,12 @@ def test_a_returned_value_that_does_not_depend_on_the_loss_is_refused():
                                          torch.utils.data.DataLoader(tiny_dataset(16), batch_size=8))
 
 
-def test_a_learnable_tensor_outside_the_module_starts_each_step_from_no_gradient():
+@pytest.mark.parametrize("factor", [1.0, 0.5])
+def test_a_learnable_tensor_outside_the_module_starts_each_step_from_no_gradient(factor):
     """A temperature held outside the module's parameters, in the optimizer: Lightning zeroes its gradient before
     each step's backward, and the mixin, which keeps Lightning's zeroing off, left it to add up over the steps (the
-    network 0.012 off after 3 steps). 3 steps against whole-batch training, float64."""
+    network 0.012 off after 3 steps). A factor on the loss training_step returns scales its gradient too. 3 steps
+    against whole-batch training, float64."""
     class Tempered(lit_classifier()):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
@@ -150,6 +152,9 @@ def test_a_learnable_tensor_outside_the_module_starts_each_step_from_no_gradient
 
         def training_loss(self, batch):
             return nn.functional.cross_entropy(self.net(batch[0]) / self.temperature, batch[1])
+
+        def training_step(self, batch, batch_idx):
+            return factor * super().training_step(batch, batch_idx)
 
         def configure_optimizers(self):
             return torch.optim.SGD([*self.parameters(), self.temperature], lr=0.5)
@@ -161,7 +166,7 @@ def test_a_learnable_tensor_outside_the_module_starts_each_step_from_no_gradient
     optimizer = torch.optim.SGD([*oracle.parameters(), temperature], lr=0.5)
     for x, y in batches(data, 8, 3):
         optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(oracle(x) / temperature, y).backward()
+        (factor * nn.functional.cross_entropy(oracle(x) / temperature, y)).backward()
         optimizer.step()
     assert_state_close(model.net.state_dict(), oracle.state_dict(), 1e-9)
     assert_state_close({"temperature": model.temperature}, {"temperature": temperature}, 1e-12)

@@ -213,10 +213,15 @@ def _add_gradient(module: ExactAccumulation, returned: Tensor, stand_in: Tensor,
                   group: ProcessGroup | None) -> None:
     """Make `.grad` what Lightning's backward of `returned` would: the step's gradient (of its loss, times `scale`)
     times what `returned` owes the loss over `scale`, plus the gradient of a term added to it; under DDP, whose
-    reducer the mixin keeps off, that term's as the ranks' mean, as DDP would make it."""
+    reducer the mixin keeps off, that term's as the ranks' mean for the module's parameters, as DDP would make it.
+    The tensors are the module's parameters and the optimizers' outside it (a learnable temperature)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    owed, *grads = (torch.autograd.grad(returned, [stand_in, *params], allow_unused=True) if returned.requires_grad
-                    else [None] * (len(params) + 1))
+    known = {id(p) for p in params}
+    others = list({id(t): t for optimizer in module.trainer.optimizers for group_ in optimizer.param_groups
+                   for t in group_["params"] if t.requires_grad and id(t) not in known}.values())
+    tensors = params + others
+    owed, *grads = (torch.autograd.grad(returned, [stand_in, *tensors], allow_unused=True) if returned.requires_grad
+                    else [None] * (len(tensors) + 1))
     if owed is None:
         raise ValueError(f"{type(module).__name__}.training_step returned a value that does not depend on the loss "
                          "ExactAccumulation.training_step returned (detached?), whose gradient is already in .grad; "
@@ -224,17 +229,18 @@ def _add_gradient(module: ExactAccumulation, returned: Tensor, stand_in: Tensor,
                          "or it plus a term")
     factor = float(owed) / scale
     if factor != 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(factor)
+        for t in tensors:
+            if t.grad is not None:
+                t.grad.mul_(factor)
     if all(g is None for g in grads):
         return
     if group is not None:  # every rank reduces every parameter's (one unused as 0), in one flat all-reduce
-        summed = Collectives(group).sum_each([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
-        grads = [g / rank_and_size(group)[1] for g in summed]
-    for p, g in zip(params, grads):
+        summed = Collectives(group).sum_each([torch.zeros_like(p) if g is None else g
+                                              for p, g in zip(params, grads[:len(params)])])
+        grads = [g / rank_and_size(group)[1] for g in summed] + grads[len(params):]
+    for t, g in zip(tensors, grads):
         if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
+            t.grad = g if t.grad is None else t.grad + g
 
 
 def _micro_batch_loss(module: ExactAccumulation, micro_batch: Any) -> Tensor:
