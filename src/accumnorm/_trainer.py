@@ -111,21 +111,7 @@ class Trainer:
         """One optimizer step over ``batch`` (this rank's shard under a process group); returns the
         mean loss over the whole (global) batch. A step that fails before the optimizer's leaves the gradients as
         they were."""
-        tensors = self._tensors()
-        kept = [t.grad for t in tensors]
-        for t in tensors:  # the model's, and the optimizer's outside it (a learnable temperature)
-            t.grad = None
-        try:
-            batch = _dist.map_batch(lambda t: t.to(self.device, non_blocking=True), batch)
-            with self.autocast():
-                # the gradient of the mean loss over the whole global batch, summed across ranks inside
-                loss = backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
-                                schedule=self.schedule, store=self.store, process_group=self.process_group,
-                                grad_scaler=self.scaler)
-        except BaseException:
-            for t, grad in zip(tensors, kept):
-                t.grad = grad
-            raise
+        loss = self._gradient(_dist.map_batch(lambda t: t.to(self.device, non_blocking=True), batch))
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip the true gradient, not the scaled one
         if self.max_grad_norm is not None:
@@ -143,12 +129,23 @@ class Trainer:
         self.step_count += 1
         return loss.item()
 
-    def _tensors(self) -> list[torch.Tensor]:
-        """The tensors whose gradient a step makes: the model's parameters and the optimizer's, once each."""
-        tensors = {id(p): p for p in self.model.parameters()}
-        for group in self.optimizer.param_groups:
-            tensors.update((id(p), p) for p in group["params"])
-        return list(tensors.values())
+    def _gradient(self, batch: Any) -> torch.Tensor:
+        """The whole global batch's mean loss, its gradient in `.grad` from none: of the model's parameters and the
+        optimizer's tensors outside it (a learnable temperature). A failure puts back the gradients it found."""
+        stepped = (p for group in self.optimizer.param_groups for p in group["params"])
+        tensors = list({id(t): t for t in (*self.model.parameters(), *stepped)}.values())
+        kept = [t.grad for t in tensors]
+        for t in tensors:
+            t.grad = None
+        try:
+            with self.autocast():
+                return backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
+                                schedule=self.schedule, store=self.store, process_group=self.process_group,
+                                grad_scaler=self.scaler)
+        except BaseException:
+            for t, grad in zip(tensors, kept):
+                t.grad = grad
+            raise
 
     # ------------------------------------------------------------------ the loop
     def fit(self, loader: Iterable, *, steps: int | None = None, epochs: int | None = None,
