@@ -7,6 +7,7 @@ of each output, taken as the forward made it, vouches for the next run's (`check
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -54,8 +55,19 @@ def _weights(sums: Tensor) -> Tensor:
     """Weights for `sums`, each row's and each place's (over the rows) sum of an output's values: the same values
     elsewhere (rows or places swapped, a flip, a roll, channels shuffled by a draw from Python's random) give another
     weighted sum, where the plain sums stay. The fractional parts of multiples of the golden ratio, which no
-    reversal or shift maps onto themselves."""
-    return torch.arange(1, len(sums) + 1, dtype=sums.dtype, device=sums.device).mul_(0.6180339887498949).frac_()
+    reversal or shift maps onto themselves. Short ones are kept, per dtype and device: a region of small tensors
+    takes a fingerprint of each output at every call, where making them would cost more than the sums."""
+    key = (len(sums), sums.dtype, sums.device)
+    weights = _KEPT.get(key)
+    if weights is None:
+        weights = torch.arange(1, len(sums) + 1, dtype=sums.dtype, device=sums.device).mul_(0.6180339887498949).frac_()
+        if len(sums) <= _KEPT_UP_TO:
+            _KEPT[key] = weights
+    return weights
+
+
+_KEPT_UP_TO = 4096  # weights for at most this many sums are kept (16 KB each in float32)
+_KEPT: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
 
 def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
@@ -63,8 +75,9 @@ def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
     rounding of their magnitude (a sum that cancels to near zero is judged against the sum of magnitudes, not itself;
     a NaN where the forward had one too, an overflow a GradScaler skips the step for, is the same overflow again)."""
     again = fingerprint(outputs)
+    # Compared as Python floats: a handful of numbers, for which each tensor op would cost more than the work.
     return again.shape == forward.shape and all(_alike(a, b, _tolerance(o.dtype))
-                                                for a, b, o in zip(again, forward, outputs))
+                                                for a, b, o in zip(again.tolist(), forward.tolist(), outputs))
 
 
 def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
@@ -73,9 +86,9 @@ def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
         raise RegionStateChanged(refusal)
 
 
-def _alike(a: Tensor, b: Tensor, tolerance: float) -> bool:
-    scale = torch.maximum(a[1].abs(), b[1].abs())
-    return bool(((a == b) | ((a - b).abs() <= tolerance * scale) | (a.isnan() & b.isnan())).all())
+def _alike(a: list[float], b: list[float], tolerance: float) -> bool:
+    scale = max(abs(a[1]), abs(b[1]))
+    return all(x == y or abs(x - y) <= tolerance * scale or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
 def _tolerance(dtype: torch.dtype) -> float:
