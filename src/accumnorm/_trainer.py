@@ -30,7 +30,7 @@ from ._engine.backward import backward
 from ._engine.memory.store import resolve_store
 from ._files import atomic_open
 from ._fit import FitLoop, check_fit_args, check_log_dir, train_mode
-from ._optimizer import check_optimizer
+from ._optimizer import check_optimizer, gradients_set_aside, stepped_tensors
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -132,20 +132,10 @@ class Trainer:
     def _gradient(self, batch: Any) -> torch.Tensor:
         """The whole global batch's mean loss, its gradient in `.grad` from none: of the model's parameters and the
         optimizer's tensors outside it (a learnable temperature). A failure puts back the gradients it found."""
-        stepped = (p for group in self.optimizer.param_groups for p in group["params"])
-        tensors = list({id(t): t for t in (*self.model.parameters(), *stepped)}.values())
-        kept = [t.grad for t in tensors]
-        for t in tensors:
-            t.grad = None
-        try:
-            with self.autocast():
-                return backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
-                                schedule=self.schedule, store=self.store, process_group=self.process_group,
-                                grad_scaler=self.scaler)
-        except BaseException:
-            for t, grad in zip(tensors, kept):
-                t.grad = grad
-            raise
+        with gradients_set_aside(stepped_tensors(self.model, [self.optimizer]), keep=True), self.autocast():
+            return backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
+                            schedule=self.schedule, store=self.store, process_group=self.process_group,
+                            grad_scaler=self.scaler)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, loader: Iterable, *, steps: int | None = None, epochs: int | None = None,

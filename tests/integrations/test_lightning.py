@@ -139,6 +139,43 @@ def test_a_returned_value_that_does_not_depend_on_the_loss_is_refused():
                                          torch.utils.data.DataLoader(tiny_dataset(16), batch_size=8))
 
 
+def test_the_statistics_epoch_leaves_the_gradient_of_a_tensor_outside_the_module_as_it_was():
+    """StochasticWeightAveraging's last epoch skips Lightning's backward: the mixin put the module's gradients back
+    after its step, but a learnable temperature in the optimizer kept that epoch's. It keeps the last real step's,
+    as with a plain LightningModule."""
+    def tempered(base: type) -> type:
+        class Tempered(base):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                self.temperature = torch.ones((), dtype=torch.float64, requires_grad=True)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD([*self.parameters(), self.temperature], lr=0.1)
+
+        return Tempered
+
+    class Plain(pl.LightningModule):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.cross_entropy(self.net(batch[0]) / self.temperature, batch[1])
+
+    class Ours(lit_classifier()):
+        def training_loss(self, batch):
+            return nn.functional.cross_entropy(self.net(batch[0]) / self.temperature, batch[1])
+
+    data = tiny_dataset(16)
+    ours, plain = tempered(Ours)(tiny_bn(), micro_batch_size=3), tempered(Plain)(tiny_bn())
+    for module in (ours, plain):
+        averaging = pl.callbacks.StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+        trainer(precision="64-true", max_steps=-1, max_epochs=3, callbacks=[averaging]).fit(
+            module, torch.utils.data.DataLoader(data, batch_size=8))
+    assert plain.temperature.grad is not None
+    torch.testing.assert_close(ours.temperature.grad, plain.temperature.grad, rtol=1e-9, atol=0)
+
+
 @pytest.mark.parametrize("factor", [1.0, 0.5])
 def test_a_learnable_tensor_outside_the_module_starts_each_step_from_no_gradient(factor):
     """A temperature held outside the module's parameters, in the optimizer: Lightning zeroes its gradient before

@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._dist import Collectives, rank_and_size
 from .._engine.args import BNMode, Schedule
 from .._engine.backward import backward
-from .._optimizer import check_optimizer
+from .._optimizer import check_optimizer, gradients_set_aside, stepped_tensors
 from ._checks import backward_options
 
 try:
@@ -140,12 +140,10 @@ class ExactAccumulation:
         if getattr(self.trainer.fit_loop, "_skip_backward", False):
             return self._statistics_only(batch)
         # NOTE: Lightning zeroes gradients after training_step and back-propagates its output; here the
-        # gradient is made inside training_step, so it starts from zero here and the two hooks below do nothing.
+        # gradient is made inside training_step, so it starts from none here and the two hooks below do nothing.
         # The optimizer's tensors outside the module too (a learnable temperature), as Lightning's zeroing would.
-        self.zero_grad(set_to_none=True)
-        for optimizer in self.trainer.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        loss = self._step(batch)
+        with gradients_set_aside(stepped_tensors(self, self.trainer.optimizers), keep=True):
+            loss = self._step(batch)
         self._accumnorm_has_grad = self._accumnorm_made_grad = True
         # The loss, with a stand-in of zero for its graph: `backward` reads from it what Lightning's backward of what
         # training_step returns owes the loss (1 for the loss itself, 0.25 for `0.25 * loss`).
@@ -162,15 +160,8 @@ class ExactAccumulation:
         statistics of the averaged weights): the whole batch's forward moves the running statistics, and the
         gradients stay as they were, as Lightning leaves them. accumnorm has no step without a backward: the step's
         gradient is made and put aside."""
-        params = list(self.parameters())
-        kept = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        try:
+        with gradients_set_aside(stepped_tensors(self, self.trainer.optimizers), keep=False):
             return self._step(batch)
-        finally:
-            for p, grad in zip(params, kept):
-                p.grad = grad
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """Lightning calls it after training_step: the gradient training_step has just made stays. A training_step that
@@ -216,10 +207,7 @@ def _add_gradient(module: ExactAccumulation, returned: Tensor, stand_in: Tensor,
     reducer the mixin keeps off, that term's as the ranks' mean for the module's parameters, as DDP would make it.
     The tensors are the module's parameters and the optimizers' outside it (a learnable temperature)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    known = {id(p) for p in params}
-    others = list({id(t): t for optimizer in module.trainer.optimizers for group_ in optimizer.param_groups
-                   for t in group_["params"] if t.requires_grad and id(t) not in known}.values())
-    tensors = params + others
+    tensors = [t for t in stepped_tensors(module, module.trainer.optimizers) if t.requires_grad]  # params first
     owed, *grads = (torch.autograd.grad(returned, [stand_in, *tensors], allow_unused=True) if returned.requires_grad
                     else [None] * (len(tensors) + 1))
     if owed is None:
