@@ -30,8 +30,9 @@ def tensor_leaves(out: Any) -> list[Tensor]:
 
 def fingerprint(outputs: list[Tensor]) -> Tensor:
     """Three numbers per output (a row each, in float64): the sum of its values, of their magnitudes, and of its
-    values weighted by where they are (`_weights`): what a later run must give again."""
-    with torch.no_grad():
+    values weighted by where they are (`_weights`): what a later run must give again. Outside every torch-function
+    mode (the step's own, a user's): the step's bookkeeping, which no mode has to see."""
+    with torch._C.DisableTorchFunction(), torch.no_grad():
         if not outputs:
             return torch.zeros(0, 3, dtype=torch.float64)
         return torch.stack([_sums(o) for o in outputs]).double()
@@ -76,8 +77,9 @@ def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
     a NaN where the forward had one too, an overflow a GradScaler skips the step for, is the same overflow again)."""
     again = fingerprint(outputs)
     # Compared as Python floats: a handful of numbers, for which each tensor op would cost more than the work.
-    return again.shape == forward.shape and all(_alike(a, b, _tolerance(o.dtype))
-                                                for a, b, o in zip(again.tolist(), forward.tolist(), outputs))
+    with torch._C.DisableTorchFunction():
+        return again.shape == forward.shape and all(_alike(a, b, _tolerance(o.dtype))
+                                                    for a, b, o in zip(again.tolist(), forward.tolist(), outputs))
 
 
 def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:

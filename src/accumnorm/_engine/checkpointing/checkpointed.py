@@ -80,36 +80,39 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
     # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
     if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
         return forward(*args, **kwargs)
-    leaves, spec = flatten((args, kwargs))
-    tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
-    versions = [leaves[i]._version for i in tensors]
-    given: list[Any] = [None]  # the arguments the forward (not a recomputation) was given
-    # The arguments but their tensors, which the frame keeps through the hooks below it (the host store's copy).
-    others = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+    # The step's own bookkeeping around the forward, outside every torch-function mode: none of theirs to see.
+    with torch._C.DisableTorchFunction():
+        leaves, spec = flatten((args, kwargs))
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        versions = [leaves[i]._version for i in tensors]
+        given: list[Any] = [None]  # the arguments the forward (not a recomputation) was given
+        # The arguments but their tensors, which the frame keeps through the hooks below it (the host store's copy).
+        others = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
 
-    def run(*inputs: Tensor) -> Any:
-        filled = list(others)
-        for i, t in zip(tensors, inputs):
-            filled[i] = t
-        a, kw = tree_unflatten(filled, spec)
-        if given[0] is None:
-            given[0] = (a, kw)
-        return forward(*a, **kw)
+        def run(*inputs: Tensor) -> Any:
+            filled = list(others)
+            for i, t in zip(tensors, inputs):
+                filled[i] = t
+            a, kw = tree_unflatten(filled, spec)
+            if given[0] is None:
+                given[0] = (a, kw)
+            return forward(*a, **kw)
 
-    inputs = [leaves[i] for i in tensors]
-    frame = RegionFrame(run, inputs, cpu_state(), metadata)
-    own(frame, region)
+        inputs = [leaves[i] for i in tensors]
+        frame = RegionFrame(run, inputs, cpu_state(), metadata)
+        own(frame, region)
     out = frame.forward(run, inputs)
-    if region not in parameter_shapes:  # after its first forward, which makes a lazy layer's parameters
-        parameter_shapes[region] = _parameter_shapes(region)
-    rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 1
-    record_saved(region, _saved_bytes(frame, parameter_shapes[region], rows))
-    (after, after_spec), given[0] = flatten(given[0]), False
-    if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
-            a is not b for i, (a, b) in enumerate(zip(after, leaves)) if i not in tensors):
-        raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but the "
-                                 f"forward of {type(region_modules(region)[0]).__name__} changed its arguments in "
-                                 "place: its recomputation would not be exact")
+    with torch._C.DisableTorchFunction():
+        if region not in parameter_shapes:  # after its first forward, which makes a lazy layer's parameters
+            parameter_shapes[region] = _parameter_shapes(region)
+        rows = inputs[0].shape[0] if inputs and inputs[0].dim() else 1
+        record_saved(region, _saved_bytes(frame, parameter_shapes[region], rows))
+        (after, after_spec), given[0] = flatten(given[0]), False
+        if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
+                a is not b for i, (a, b) in enumerate(zip(after, leaves)) if i not in tensors):
+            raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, but the "
+                                     f"forward of {type(region_modules(region)[0]).__name__} changed its arguments in "
+                                     "place: its recomputation would not be exact")
     return out
 
 

@@ -139,40 +139,44 @@ class SegmentedRegions:
         if k is None or self.open[k] is not None or alone or not torch.is_grad_enabled() or \
                 in_region(hooks) or in_recomputation(hooks) or in_segment(hooks):
             return forward(*args, **kwargs)
-        self.state.called(region)
-        leaves, spec = flatten((args, kwargs))
-        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
-        versions = [leaves[i]._version for i in tensors]
-        entry = Entry(region, forward, leaves, spec, tensors, self.step.rng.shared_states(), Modes.current(),
-                      sources=self._sources(k, leaves, tensors))
-        self.open[k] = entry
+        # The step's own bookkeeping around the forward, outside every torch-function mode: none of theirs to see.
+        with torch._C.DisableTorchFunction():
+            self.state.called(region)
+            leaves, spec = flatten((args, kwargs))
+            tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+            versions = [leaves[i]._version for i in tensors]
+            entry = Entry(region, forward, leaves, spec, tensors, self.step.rng.shared_states(), Modes.current(),
+                          sources=self._sources(k, leaves, tensors))
+            self.open[k] = entry
         hooks, kept = keeping_nothing()
         try:
             with hooks:
                 out = forward(*args, **kwargs)
         finally:
             self.open[k] = None
-        entry.saved = kept.counted.bytes
-        after, after_spec = flatten((args, kwargs))
-        if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
-                a is not b for a, b in zip(after, leaves)):
-            raise RegionStateChanged(
-                f"the segments schedule runs a region's forward again in the backward, but the forward of "
-                f"{type(region_modules(region)[0]).__name__} changed its arguments in place: its recomputation "
-                "would not be exact")
-        out_leaves, out_spec = flatten(out)
-        del out
-        positions = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor) and t.requires_grad]
-        outputs = [out_leaves[i].detach() for i in positions]
-        for i in positions:  # the forward's graph of the region goes
-            out_leaves[i] = None
-        entry.positions = positions
-        given = self.lockstep.pause(RegionExit(entry, outputs))
+        with torch._C.DisableTorchFunction():
+            entry.saved = kept.counted.bytes
+            after, after_spec = flatten((args, kwargs))
+            if after_spec != spec or [leaves[i]._version for i in tensors] != versions or any(
+                    a is not b for a, b in zip(after, leaves)):
+                raise RegionStateChanged(
+                    f"the segments schedule runs a region's forward again in the backward, but the forward of "
+                    f"{type(region_modules(region)[0]).__name__} changed its arguments in place: its recomputation "
+                    "would not be exact")
+            out_leaves, out_spec = flatten(out)
+            del out
+            positions = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor) and t.requires_grad]
+            outputs = [out_leaves[i].detach() for i in positions]
+            for i in positions:  # the forward's graph of the region goes
+                out_leaves[i] = None
+            entry.positions = positions
+        given = self.lockstep.pause(RegionExit(entry, outputs))  # in the thread's state: the others' come meanwhile
         del outputs
-        self.last[k] = (self.node, [weakref.ref(t) for t in given], [t._version for t in given])
-        for i, t in zip(positions, given):
-            out_leaves[i] = t
-        return tree_unflatten(out_leaves, out_spec)
+        with torch._C.DisableTorchFunction():
+            self.last[k] = (self.node, [weakref.ref(t) for t in given], [t._version for t in given])
+            for i, t in zip(positions, given):
+                out_leaves[i] = t
+            return tree_unflatten(out_leaves, out_spec)
 
     def meet(self, ends: list[Any], index: int) -> list[list[Tensor]]:
         """The K micro-batches at a region's exit (the step's `index`-th): each one's outputs of one node over the K,
