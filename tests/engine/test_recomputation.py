@@ -99,3 +99,34 @@ def test_an_input_changed_in_place_after_the_region_is_refused_at_the_backward()
         h.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation: an input"):
         out.backward()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=4), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.float64, torch.float32, torch.int64]))
+def test_a_fingerprint_holds_the_sums_and_tells_the_same_values_elsewhere(shape, seed, dtype):
+    """A fingerprint's plain sum and sum of magnitudes are torch's; the same values in other places (a flip of any
+    dimension, a roll) are told apart by its weighted sum, unless the rearrangement leaves the tensor as it was. (Of
+    integers, not always: rows swapped whose sums are equal, which random floats never are, weigh the same.)"""
+    from accumnorm._engine.checkpointing.again import fingerprint, same_outputs
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 10).to(dtype)
+    [(total, _, magnitudes)] = fingerprint([x]).tolist()
+    torch.testing.assert_close(total, x.double().sum().item(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(magnitudes, x.double().abs().sum().item(), rtol=1e-5, atol=1e-5)
+    assert same_outputs([x.clone()], fingerprint([x]))
+    if not x.is_floating_point():
+        return
+    for moved in [x.flip(d) for d in range(x.dim())] + [x.roll(1, d) for d in range(x.dim())]:
+        assert same_outputs([moved], fingerprint([x])) == torch.equal(moved, x), moved
+
+
+def test_the_fingerprints_weights_are_kept_for_a_bounded_number_of_shapes():
+    """The weights of short outputs are kept, per shape: a model whose outputs take ever new shapes (a sequence of
+    each length) keeps at most _MOST_KEPT of them, not one per shape for the life of the process."""
+    from accumnorm._engine.checkpointing import again
+
+    for length in range(1, 2 * again._MOST_KEPT):
+        again.fingerprint([torch.ones(2, length)])
+    assert len(again._KEPT) <= again._MOST_KEPT

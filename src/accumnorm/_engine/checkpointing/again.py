@@ -29,19 +29,20 @@ def tensor_leaves(out: Any) -> list[Tensor]:
 
 
 def fingerprint(outputs: list[Tensor]) -> Tensor:
-    """Three numbers per output (a row each, in float64): the sum of its values, of their magnitudes, and of its
-    values weighted by where they are (`_weights`): what a later run must give again. Outside every torch-function
-    mode (the step's own, a user's): the step's bookkeeping, which no mode has to see."""
-    with torch._C.DisableTorchFunction(), torch.no_grad():
+    """Three numbers per output (a row each, in float64): the sum of its values, the sum of them weighted by where
+    they are (`_weights`), and the sum of their magnitudes: what a later run must give again. Outside every
+    torch-function mode (the step's own, a user's): the step's bookkeeping, which no mode has to see."""
+    with torch._C.DisableTorchFunction():
         if not outputs:
             return torch.zeros(0, 3, dtype=torch.float64)
-        return torch.stack([_sums(o) for o in outputs]).double()
+        return torch.stack([_sums(o.detach()) for o in outputs]).double()
 
 
 def _sums(o: Tensor) -> Tensor:
     """The sums, reduced in the tensor's own float32 or float64, and in float32 from a lower precision. Not with
     `dtype=torch.float64` on a float32 tensor: on the CPU that makes a copy of it, twice its size, at the moment a
-    recomputation holds the most."""
+    recomputation holds the most. Few ops: a region of small tensors takes a fingerprint of each output at every
+    call, where each op costs more than its sums."""
     if not o.is_floating_point():
         o = o.double()
     accumulate = None if o.dtype in (torch.float32, torch.float64) else torch.float32
@@ -49,26 +50,30 @@ def _sums(o: Tensor) -> Tensor:
         o = o.reshape(-1, 1)
     rows = o.sum(dim=tuple(range(1, o.dim())), dtype=accumulate)  # a pass over the values, as the sum's would be
     sums = torch.cat([rows, o.sum(dim=0, dtype=accumulate).reshape(-1)])  # each row's, and each place's
-    return torch.stack([rows.sum(), torch.linalg.vector_norm(o, 1, dtype=accumulate), sums @ _weights(sums)])
+    return torch.cat([sums @ _weights(len(rows), sums), torch.linalg.vector_norm(o, 1, dtype=accumulate).reshape(1)])
 
 
-def _weights(sums: Tensor) -> Tensor:
-    """Weights for `sums`, each row's and each place's (over the rows) sum of an output's values: the same values
-    elsewhere (rows or places swapped, a flip, a roll, channels shuffled by a draw from Python's random) give another
-    weighted sum, where the plain sums stay. The fractional parts of multiples of the golden ratio, which no
-    reversal or shift maps onto themselves. Short ones are kept, per dtype and device: a region of small tensors
-    takes a fingerprint of each output at every call, where making them would cost more than the sums."""
-    key = (len(sums), sums.dtype, sums.device)
+def _weights(rows: int, sums: Tensor) -> Tensor:
+    """Two columns for `sums`, each of an output's `rows` row sums and then each place's sum over the rows: ones
+    for the rows, whose product is the plain sum; and weights, the same values elsewhere (rows or places swapped,
+    a flip, a roll, channels shuffled by a draw from Python's random) giving another weighted sum, where the plain
+    sums stay. The weights are the fractional parts of multiples of the golden ratio, which no reversal or shift
+    maps onto themselves. Short ones are kept, per dtype and device: making them would cost more than the sums."""
+    key = (rows, len(sums), sums.dtype, sums.device)
     weights = _KEPT.get(key)
     if weights is None:
-        weights = torch.arange(1, len(sums) + 1, dtype=sums.dtype, device=sums.device).mul_(0.6180339887498949).frac_()
-        if len(sums) <= _KEPT_UP_TO:
+        weights = torch.zeros(len(sums), 2, dtype=sums.dtype, device=sums.device)
+        weights[:rows, 0] = 1
+        multiples = torch.arange(1, len(sums) + 1, dtype=sums.dtype, device=sums.device)
+        weights[:, 1] = multiples.mul_(0.6180339887498949).frac_()
+        if len(sums) <= _KEPT_UP_TO and len(_KEPT) < _MOST_KEPT:
             _KEPT[key] = weights
     return weights
 
 
-_KEPT_UP_TO = 4096  # weights for at most this many sums are kept (16 KB each in float32)
-_KEPT: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+_KEPT_UP_TO = 4096  # weights for at most this many sums are kept (32 KB each in float32)
+_MOST_KEPT = 256  # shapes whose weights are kept: a model of ever new shapes makes the others afresh
+_KEPT: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
 
 
 def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
@@ -89,7 +94,7 @@ def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
 
 
 def _alike(a: list[float], b: list[float], tolerance: float) -> bool:
-    scale = max(abs(a[1]), abs(b[1]))
+    scale = max(abs(a[2]), abs(b[2]))  # the sums of magnitudes
     return all(x == y or abs(x - y) <= tolerance * scale or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
 
 
