@@ -43,11 +43,11 @@ class RunningStatistics:
     def moved(self, call: BNCall, values: tuple[Tensor, Tensor | None] | None) -> None:
         """A forward made `call`, whose running statistics are now `values` (None: not known yet, or none)."""
         if values is not None:
-            _put(call.running_mean, call.running_var, *values)
+            _put([(call.running_mean, values[0]), (call.running_var, values[1])])
 
     def restore(self) -> None:
-        for mean, var, old_mean, old_var in self.before.values():
-            _put(mean, var, old_mean, old_var)
+        _put([pair for mean, var, old_mean, old_var in self.before.values()
+              for pair in ((mean, old_mean), (var, old_var))])
 
     def __enter__(self) -> RunningStatistics:
         return self
@@ -56,8 +56,11 @@ class RunningStatistics:
         self.restore()
 
 
-def _put(mean: Tensor, var: Tensor | None, new_mean: Tensor, new_var: Tensor | None) -> None:
-    with torch.no_grad():
-        mean.copy_(new_mean)
-        if var is not None:
-            var.copy_(new_var)
+def _put(pairs: list[tuple[Tensor | None, Tensor | None]]) -> None:
+    """Copy each value into its tensor, where both are (a layer without running variance has None for it): in one
+    call, outside the step's torch-function mode. A step runs this at every BatchNorm call of every pass, and for
+    every layer at each micro-batch's start."""
+    targets = [(t, value) for t, value in pairs if t is not None and value is not None]
+    if targets:
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            torch._foreach_copy_([t for t, _ in targets], [value for _, value in targets])
