@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_map
 
 import accumnorm
 from accumnorm._engine.checkpointing import kept, recomputation
@@ -918,3 +919,125 @@ def test_a_recomputation_that_rearranges_the_forwards_values_runs_under_layerwis
     with pytest.warns(RuntimeWarning, match="gave (other outputs|another output) than its forward"):
         accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule)
     assert accumnorm.last_schedule(model).schedule == "layerwise"
+
+
+class Residual(nn.Module):
+    """x + lin2(tanh(bn(lin(x)))): a region, whose output `then(h)` changes."""
+
+    def __init__(self, width: int, then=lambda h: h) -> None:
+        super().__init__()
+        self.lin, self.bn, self.lin2 = nn.Linear(width, width), nn.BatchNorm1d(width), nn.Linear(width, width)
+        self.then = then
+
+    def forward(self, x):
+        return self.then(x + self.lin2(torch.tanh(self.bn(self.lin(x)))))
+
+
+def residual_net(then, head: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), Residual(8), Residual(8, then), head).double()
+
+
+class FromComplex(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 10)
+
+    def forward(self, z):
+        return self.lin(torch.cat([z.real, z.imag], 1))
+
+
+def masked_column(h):
+    return h.masked_fill(torch.arange(h.shape[1]) == 0, float("-inf"))
+
+
+def imaginary_part_drawn(h):
+    z = torch.fft.fft(h, dim=1)
+    return torch.complex(z.real, z.imag * (1 + random.random()))
+
+
+@pytest.mark.parametrize("schedule", ["recompute", "segments"])
+def test_a_region_output_holding_an_inf_runs_under_layerwise(schedule):
+    """A region whose output held an inf (scores masked with -inf) passed its recomputation's check whatever its other
+    values were: its sums were inf either way, and the tolerance, relative to the sum of magnitudes, was infinite.
+    Its recomputation cannot be checked, so the step runs under layerwise, with a warning saying why."""
+    head = nn.Sequential(nn.Softmax(dim=1), nn.Linear(8, 10))
+    ref = residual_net(masked_column, head)
+    ours = copy.deepcopy(ref)
+    batch = data((6,), 12, torch.float64)
+    with pytest.warns(RuntimeWarning, match="an output holding an inf or a NaN"):
+        accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    assert accumnorm.last_schedule(ours).schedule == "layerwise"
+    whole_batch(ref, batch)
+    compare(ref, ours, 1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["recompute", "segments"])
+def test_a_complex_region_output_is_checked_in_both_parts(schedule):
+    """A region that returns a complex tensor (an FFT) was fingerprinted as its real part, torch warning that the
+    imaginary part was discarded: one drawn from Python's random went unseen, and the gradient mixed two runs. Both
+    parts are checked now: a deterministic region runs as asked, without a warning; the drawn one under layerwise."""
+    ref = residual_net(lambda h: torch.fft.fft(h, dim=1), FromComplex())
+    ours = copy.deepcopy(ref)
+    batch = data((6,), 12, torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        accumnorm.backward(ours, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    assert accumnorm.last_schedule(ours).schedule == schedule
+    whole_batch(ref, batch)
+    compare(ref, ours, 1e-9)
+    drawn = residual_net(imaginary_part_drawn, FromComplex())
+    random.seed(0)
+    with pytest.warns(RuntimeWarning, match="other outputs than its forward|another output than its forward"):
+        accumnorm.backward(drawn, batch, ce_loss, micro_batch_size=3, schedule=schedule)
+    assert accumnorm.last_schedule(drawn).schedule == "layerwise"
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass whose ops run in Python (`__torch_dispatch__`), wrapping a plain tensor: torch's pattern."""
+
+    @staticmethod
+    def __new__(cls, elem):
+        wrapper = torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device,
+                                                      strides=elem.stride(), requires_grad=elem.requires_grad)
+        wrapper.elem = elem
+        return wrapper
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.elem if isinstance(t, Wrapped) else t  # noqa: E731
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda t: Wrapped(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def wrapped_loss(m, b):
+    return F.cross_entropy(m(Wrapped(b[0])), b[1])
+
+
+@pytest.mark.parametrize("schedule", ["recompute", "segments", "auto"])
+def test_a_tensor_subclass_of_python_ops_runs_under_layerwise(schedule):
+    """An input wrapped in a `__torch_dispatch__` subclass, which whole-batch torch and layerwise run: the other
+    schedules failed with torch's internal errors ("Attempted to access the data pointer on an invalid python
+    storage" in "auto"'s meter, ".tolist() is not supported for tensor subclasses" at the fingerprint). The meter
+    counts such a tensor by its shape; a region's output of one cannot be fingerprinted, so the step runs under
+    layerwise."""
+    ref = residual_net(lambda h: h, nn.Linear(8, 10))
+    ours = copy.deepcopy(ref)
+    batch = data((6,), 12, torch.float64)
+    with pytest.warns(RuntimeWarning, match="a tensor subclass whose ops run in Python") if schedule != "auto" \
+            else nullcontext():
+        accumnorm.backward(ours, batch, wrapped_loss, micro_batch_size=3, schedule=schedule)
+    assert accumnorm.last_schedule(ours).schedule == "layerwise"
+    whole_batch(ref, batch, wrapped_loss)
+    compare(ref, ours, 1e-9)
+
+
+def test_passes_refuses_a_tensor_subclass_of_python_ops_it_cannot_check():
+    model = residual_net(lambda h: h, nn.Linear(8, 10))
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match="passes schedule .* cannot be checked: a forward gave a Wrapped.*Nothing was "
+                                         "changed. Use schedule='layerwise'"):
+        accumnorm.backward(model, data((6,), 12, torch.float64), wrapped_loss, micro_batch_size=3, schedule="passes")
+    assert_unchanged(model, snap)

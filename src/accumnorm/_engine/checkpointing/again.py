@@ -14,12 +14,16 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["RegionStateChanged", "check_outputs", "fingerprint", "same_outputs", "tensor_leaves"]
+__all__ = ["CannotCheck", "RegionStateChanged", "check_outputs", "fingerprint", "same_outputs", "tensor_leaves"]
 
 
 class RegionStateChanged(Exception):
     """A region's forward changed its module's state, or a run of it gave other outputs than the forward: recomputing
     it would not give the forward's tensors."""
+
+
+class CannotCheck(RegionStateChanged):
+    """A forward's outputs that no fingerprint can vouch for: a run of it again could give others unseen."""
 
 
 def tensor_leaves(out: Any) -> list[Tensor]:
@@ -35,7 +39,15 @@ def fingerprint(outputs: list[Tensor]) -> Tensor:
     with torch._C.DisableTorchFunction():
         if not outputs:
             return torch.zeros(0, 3, dtype=torch.float64)
+        for o in outputs:
+            if torch._C._dispatch_keys(o).has(_PYTHON):
+                raise CannotCheck(
+                    f"a forward gave a {type(o).__name__}, a tensor subclass whose ops run in Python "
+                    "(__torch_dispatch__), whose values the step cannot read back to check a run of it again")
         return torch.stack([_sums(o.detach()) for o in outputs]).double()
+
+
+_PYTHON = torch._C.DispatchKey.Python  # the dispatch key of a tensor whose ops run its class's __torch_dispatch__
 
 
 def _sums(o: Tensor) -> Tensor:
@@ -43,6 +55,8 @@ def _sums(o: Tensor) -> Tensor:
     `dtype=torch.float64` on a float32 tensor: on the CPU that makes a copy of it, twice its size, at the moment a
     recomputation holds the most. Few ops: a region of small tensors takes a fingerprint of each output at every
     call, where each op costs more than its sums."""
+    if o.is_complex():
+        o = torch.view_as_real(o)  # the real and imaginary parts side by side, each checked
     if not o.is_floating_point():
         o = o.double()
     accumulate = None if o.dtype in (torch.float32, torch.float64) else torch.float32
@@ -80,17 +94,32 @@ def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
     """Whether a run's `outputs` are the forward's, whose fingerprints were `forward`, to the outputs' dtypes'
     rounding of their magnitude (a sum that cancels to near zero is judged against the sum of magnitudes, not itself;
     a NaN where the forward had one too, an overflow a GradScaler skips the step for, is the same overflow again)."""
-    again = fingerprint(outputs)
-    # Compared as Python floats: a handful of numbers, for which each tensor op would cost more than the work.
-    with torch._C.DisableTorchFunction():
-        return again.shape == forward.shape and all(_alike(a, b, _tolerance(o.dtype))
-                                                    for a, b, o in zip(again.tolist(), forward.tolist(), outputs))
+    again, first = _read(fingerprint(outputs), forward)
+    return _same(again, first, outputs)
 
 
 def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
-    """Raise `RegionStateChanged(refusal)` unless a run's `outputs` are the forward's (`same_outputs`)."""
-    if not same_outputs(outputs, forward):
+    """Raise `RegionStateChanged(refusal)` unless a run's `outputs` are the forward's (`same_outputs`); `CannotCheck`
+    where the forward's held an inf or a NaN. Their sums are then inf or NaN whatever the other values are, so they
+    vouch for nothing: a region that returns scores masked with -inf, or a forward that overflowed, runs under
+    layerwise, which runs it once."""
+    again, first = _read(fingerprint(outputs), forward)
+    if not all(math.isfinite(x) for row in first for x in row):
+        raise CannotCheck("a region's forward gave an output holding an inf or a NaN, whose sums hide its other "
+                          "values, so that the step cannot check a run of it again")
+    if not _same(again, first, outputs):
         raise RegionStateChanged(refusal)
+
+
+def _read(again: Tensor, forward: Tensor) -> tuple[list[list[float]], list[list[float]]]:
+    """Both fingerprints as Python floats: a handful of numbers, for which each tensor op would cost more than the
+    work."""
+    with torch._C.DisableTorchFunction():
+        return again.tolist(), forward.tolist()
+
+
+def _same(again: list[list[float]], first: list[list[float]], outputs: list[Tensor]) -> bool:
+    return len(again) == len(first) and all(_alike(a, b, _tolerance(o.dtype)) for a, b, o in zip(again, first, outputs))
 
 
 def _alike(a: list[float], b: list[float], tolerance: float) -> bool:
@@ -99,4 +128,5 @@ def _alike(a: list[float], b: list[float], tolerance: float) -> bool:
 
 
 def _tolerance(dtype: torch.dtype) -> float:
+    dtype = dtype.to_real() if dtype.is_complex else dtype
     return 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 1e-2

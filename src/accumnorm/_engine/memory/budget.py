@@ -168,6 +168,16 @@ class Figure:
 
 
 # model -> {(signature, schedule): Figure}: the figures of its last metered steps
+
+def _storage(t: Tensor) -> tuple[Any, int]:
+    """The memory `t` holds, as a key (each storage once) and its bytes. A tensor whose ops run in Python (a
+    `__torch_dispatch__` subclass: its own storage holds nothing, its values are in tensors it keeps as attributes)
+    is counted by itself, at the bytes of its shape and dtype."""
+    if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+        return ("tensor", id(t)), t.nbytes
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
 _FIGURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Figure]] = weakref.WeakKeyDictionary()
 _CHOICES: weakref.WeakKeyDictionary[nn.Module, Choice] = weakref.WeakKeyDictionary()
 _STOPPED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
@@ -231,11 +241,10 @@ class Meter:
         """Count a tensor the step keeps for its backward by other means than autograd's saved tensors (each storage
         once, parameters and leaves that require grad not at all); raise `OverBudget` past the budget."""
         if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
+            key, nbytes = _storage(t)
             if key not in self._seen:
                 self._seen.add(key)
-                self.bytes += storage.nbytes()
+                self.bytes += nbytes
                 self._check()
 
     def count_objects(self, root: Any, records: tuple[type, ...]) -> None:
@@ -249,7 +258,7 @@ class Meter:
         """Count, for this moment only, `tensors` the step holds beside what it keeps (a met call's input and output
         for the whole batch, which a lockstep holds at once while its forwards keep neither); each storage once, none
         already counted. Raise `OverBudget` if the budget has no room for them."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        storages = dict(map(_storage, tensors))
         now = self.bytes + sum(n for key, n in storages.items() if key not in self._seen)
         self.peak = max(self.peak, now)
         if self.limit is not None and now > self.limit:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpointing.again import fingerprint, same_outputs
+from ..checkpointing.again import CannotCheck, fingerprint, same_outputs
 from ..intercept.calls import BNCall, INCall
 
 __all__ = ["SameRuns", "another_input", "another_result", "has_backward_hooks", "not_the_same", "torchs_refusals_said",
@@ -60,10 +60,17 @@ class SameRuns:
         """Whether micro-batch k's `tensors` at `where` (a BatchNorm call's index, or None for its loss) are its
         first run's there; the first run's are kept."""
         seen = self.first.get((where, k))
-        if seen is None:
-            self.first[(where, k)] = fingerprint(tensors)
-            return True
-        return same_outputs(tensors, seen)
+        try:
+            if seen is None:
+                self.first[(where, k)] = fingerprint(tensors)
+                return True
+            return same_outputs(tensors, seen)
+        except CannotCheck as e:
+            what = "loss" if where is None else f"input to BatchNorm call {where}"
+            raise ValueError(
+                f"bn='exact': the passes schedule runs each micro-batch's forward 2L + 1 times and checks that each "
+                f"run gives the same, but micro-batch {k}'s {what} cannot be checked: {e}. Nothing was changed. Use "
+                "schedule='layerwise', which runs each forward once") from None
 
 
 def not_the_same(k: int, made: str, calls: int) -> ValueError:
