@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import greenlet
 from torch import Tensor
@@ -44,6 +44,12 @@ from ..step.step import Step
 from .base import Schedule
 
 __all__ = ["Layerwise", "lockstep"]
+
+
+class _AtInstanceNorm(NamedTuple):
+    """A micro-batch paused at its InstanceNorm call `index` that moves running statistics."""
+
+    index: int
 
 
 class _Lockstep:
@@ -88,7 +94,10 @@ class _Lockstep:
         try:
             ends = [self._resume(k, k) for k in k_all]
             index = exits = 0
-            while any(isinstance(end, (BNCall, RegionExit)) for end in ends):
+            while any(isinstance(end, (BNCall, RegionExit, _AtInstanceNorm)) for end in ends):
+                if any(isinstance(end, _AtInstanceNorm) for end in ends):
+                    ends = self._meet_at_instance_norm(ends)
+                    continue
                 if self.segments is not None and any(isinstance(end, RegionExit) for end in ends):  # its regions
                     if any(isinstance(end, BNCall) for end in ends):  # raises: not all at a BatchNorm call
                         step.meeting.check_same([end if isinstance(end, BNCall) else None for end in ends], index)
@@ -221,11 +230,31 @@ class _Lockstep:
         return sent
 
     def _instance_norm(self, call: INCall) -> Tensor:
+        """An InstanceNorm call with running statistics of a micro-batch's forward: its piece goes to the ledger, and
+        it pauses until all K are at the call, where the statistics move, so that a read after the call (an
+        eval-mode call on the layer, a teacher pass) finds them as the whole batch's forward leaves them there."""
         k = self.current
-        self.step.ledger.instance_norm(call, self.instance_norms[k], self.step.names)
+        index = self.instance_norms[k]
+        self.step.ledger.instance_norm(call, index, self.step.names)
         self.instance_norms[k] += 1
         self.step.regions.enter_instance_norm()
+        self.pause(_AtInstanceNorm(index))
         return call.output()
+
+    def _meet_at_instance_norm(self, ends: list[Any]) -> list[Any]:
+        """The K micro-batches at an InstanceNorm call with running statistics: they move now, and each goes on."""
+        first = next(end for end in ends if isinstance(end, _AtInstanceNorm))
+        for k, end in enumerate(ends):
+            if end != first:
+                was = ("at a BatchNorm call" if isinstance(end, BNCall) else "at a region's exit"
+                       if isinstance(end, RegionExit) else "at another InstanceNorm call"
+                       if isinstance(end, _AtInstanceNorm) else "at the end of its forward")
+                raise ValueError(
+                    f"bn='exact' needs every micro-batch to make the same norm calls in the same order, but "
+                    f"micro-batch {k} was {was} where another was at InstanceNorm call {first.index}. Nothing was "
+                    "changed. Make every micro-batch's forward make the same calls, or use bn='micro'")
+        self.step.ledger.move_instance_norm_now(first.index)
+        return [self._resume(k, None) for k in range(len(ends))]
 
     def _abort(self) -> None:
         """Unwind every paused forward (its `finally` blocks run in its own state), then return to the driver's."""

@@ -4,9 +4,10 @@ A schedule counts each BatchNorm call of the whole batch (`count_call`: the fact
 by, 1 over the calls so far for a momentum=None layer); the layerwise schedule's met calls move them at the call,
 as torch's kernel does, and a schedule that meets the calls otherwise (passes) `record`s them, and each
 micro-batch's InstanceNorm calls (`instance_norm`), for one update per call at the step's end
-(`update_running_stats`). Every training forward of a BatchNorm layer bumps its `num_batches_tracked`: the step
-sets each counter to its value before the step plus the calls counted, and refuses a step whose forwards bumped
-one more often than it saw (`check_every_call_seen`: a call that normalized with one micro-batch's statistics).
+(`update_running_stats`), but for those whose micro-batches met at them (`move_instance_norm_now`). Every training
+forward of a BatchNorm layer bumps its `num_batches_tracked`: the step sets each counter to its value before the
+step plus the calls counted, and refuses a step whose forwards bumped one more often than it saw
+(`check_every_call_seen`: a call that normalized with one micro-batch's statistics).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class _InstanceNormStats:
     count: int = 0
     sum_mean: Tensor | float = 0.0
     sum_var: Tensor | float = 0.0
+    moved: bool = False  # its running statistics moved at the call (`move_instance_norm_now`)
 
 
 class Ledger:
@@ -95,23 +97,35 @@ class Ledger:
         entry.sum_mean = entry.sum_mean + mean.sum(0)
         entry.sum_var = entry.sum_var + var.sum(0)
 
+    def move_instance_norm_now(self, index: int) -> None:
+        """Every micro-batch's piece of InstanceNorm call `index` is in (they met at it): its running statistics
+        move now, as torch's kernel moves them at the call (a later read in the forward finds them moved)."""
+        entry = self.instance_norms[index]
+        self._move_instance_norm(entry)
+        entry.moved = True
+
     def update_running_stats(self) -> None:
-        """The running-statistics updates of the calls `record`ed, and of InstanceNorm's, one per call in forward
-        order, as torch's whole-batch forward makes them; each BatchNorm's num_batches_tracked one up per call."""
+        """The running-statistics updates of the calls `record`ed, and of InstanceNorm's not moved at their call, one
+        per call in forward order, as torch's whole-batch forward makes them; each BatchNorm's num_batches_tracked one
+        up per call."""
         for call, stats, factor in self.batch_norms:
             if call.running_mean is not None:
                 update_running_stats_(call.running_mean, call.running_var, stats.mean, stats.unbiased_var, factor,
                                       stats.count)
         for entry in self.instance_norms:
-            count = entry.sum_mean.new_full((1,), entry.count)
-            total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
-            n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
-            update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
+            if not entry.moved:
+                self._move_instance_norm(entry)
         with torch.no_grad():
             for layers in self.counted_layers_by_device():  # one foreach op per device, not two ops per layer
                 torch._foreach_copy_([m.num_batches_tracked for m in layers],
                                      torch._foreach_add([self.tracked_before[m] for m in layers],
                                                         [self.calls_so_far.get(m, 0) for m in layers]))
+
+    def _move_instance_norm(self, entry: _InstanceNormStats) -> None:
+        count = entry.sum_mean.new_full((1,), entry.count)
+        total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
+        n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
+        update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
 
     def counted_layers_by_device(self) -> list[list[_BatchNorm]]:
         """The BatchNorm layers whose num_batches_tracked the step counts, grouped by the counter's device (for ops
