@@ -14,6 +14,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from ..memory.store import python_tensor
+
 __all__ = ["CannotCheck", "RegionStateChanged", "check_outputs", "fingerprint", "same_outputs", "tensor_leaves"]
 
 
@@ -40,14 +42,12 @@ def fingerprint(outputs: list[Tensor]) -> Tensor:
         if not outputs:
             return torch.zeros(0, 3, dtype=torch.float64)
         for o in outputs:
-            if torch._C._dispatch_keys(o).has(_PYTHON):
+            if python_tensor(o):
                 raise CannotCheck(
                     f"a forward gave a {type(o).__name__}, a tensor subclass whose ops run in Python "
                     "(__torch_dispatch__), whose values the step cannot read back to check a run of it again")
         return torch.stack([_sums(o.detach()) for o in outputs]).double()
 
-
-_PYTHON = torch._C.DispatchKey.Python  # the dispatch key of a tensor whose ops run its class's __torch_dispatch__
 
 
 def _sums(o: Tensor) -> Tensor:

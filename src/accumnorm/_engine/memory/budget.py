@@ -39,7 +39,7 @@ from torch.nn.parameter import is_lazy
 from ..._dist import unwrap_ddp
 from ..safety import untraced
 from .objects import object_bytes
-from .store import Store, alias
+from .store import Store, alias, python_tensor
 
 __all__ = ["Choice", "Figure", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget",
            "figures", "format_bytes", "gradient_bytes", "last_schedule", "model_device", "record_choice",
@@ -167,17 +167,16 @@ class Figure:
         return int(self.per_sample * max(samples, self.samples))
 
 
-# model -> {(signature, schedule): Figure}: the figures of its last metered steps
-
 def _storage(t: Tensor) -> tuple[Any, int]:
-    """The memory `t` holds, as a key (each storage once) and its bytes. A tensor whose ops run in Python (a
-    `__torch_dispatch__` subclass: its own storage holds nothing, its values are in tensors it keeps as attributes)
-    is counted by itself, at the bytes of its shape and dtype."""
-    if torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
+    """The memory `t` holds, as a key (each storage once) and its bytes. A tensor whose ops run in Python
+    (`store.python_tensor`) is counted by itself, at the bytes of its shape and dtype."""
+    if python_tensor(t):
         return ("tensor", id(t)), t.nbytes
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
 
+
+# model -> {(signature, schedule): Figure}: the figures of its last metered steps
 _FIGURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Figure]] = weakref.WeakKeyDictionary()
 _CHOICES: weakref.WeakKeyDictionary[nn.Module, Choice] = weakref.WeakKeyDictionary()
 _STOPPED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()

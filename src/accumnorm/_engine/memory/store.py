@@ -24,11 +24,17 @@ from torch import Tensor
 
 from ..safety import untraced
 
-__all__ = ["Store", "alias", "resolve_store", "store_for"]
+__all__ = ["Store", "alias", "python_tensor", "resolve_store", "store_for"]
 
 # Copies back started ahead of the backward: enough to hide one copy behind the compute of the previous ones,
 # few enough that the device holds little beyond what the backward reads next.
 _FETCH_AHEAD = 4
+
+
+def python_tensor(t: Tensor) -> bool:
+    """Whether `t`'s ops run its class's `__torch_dispatch__` (a wrapper subclass): its own storage holds none of its
+    values, which are in tensors it keeps as attributes."""
+    return torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
 
 
 def resolve_store(store: Any) -> torch.device:

@@ -52,6 +52,10 @@ class _AtInstanceNorm(NamedTuple):
     index: int
 
 
+# Where a micro-batch pauses for the others (its forward goes on once all K are there): a met point.
+_MET_POINTS = (BNCall, RegionExit, _AtInstanceNorm)
+
+
 class _Lockstep:
     """The driver and the K coroutines of one step (module doc)."""
 
@@ -94,7 +98,7 @@ class _Lockstep:
         try:
             ends = [self._resume(k, k) for k in k_all]
             index = exits = 0
-            while any(isinstance(end, (BNCall, RegionExit, _AtInstanceNorm)) for end in ends):
+            while any(isinstance(end, _MET_POINTS) for end in ends):
                 if any(isinstance(end, _AtInstanceNorm) for end in ends):
                     ends = self._meet_at_instance_norm(ends)
                     continue
@@ -171,7 +175,7 @@ class _Lockstep:
             return self.step.forward(k)
 
     def _resume(self, k: int, value: object) -> Any:
-        """Run micro-batch k's forward until its next BatchNorm call (a BNCall) or its end (its loss or outputs).
+        """Run micro-batch k's forward until its next met point (`_MET_POINTS`) or its end (its loss or outputs).
 
         Its random stream stays in the generators until the next turn's replaces it (`_forwards` ends the last)."""
         step = self.step
@@ -188,7 +192,7 @@ class _Lockstep:
             step.graphs.end()
             self.current = None
         step.bound.check()  # what the turn freed, once the step nears its budget (`memory.heap`)
-        if not isinstance(end, BNCall):
+        if not isinstance(end, _MET_POINTS):
             if isinstance(end, greenlet.GreenletExit):  # raised by the forward itself: greenlet returns it as a result
                 if hasattr(end, "add_note"):
                     end.add_note(f"(raised in micro-batch {k} of accumnorm.backward)")
