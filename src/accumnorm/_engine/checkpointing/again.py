@@ -35,65 +35,78 @@ def tensor_leaves(out: Any) -> list[Tensor]:
 
 
 def fingerprint(outputs: list[Tensor]) -> Tensor:
-    """Three numbers per output (a row each, in float64): the sum of its values, the sum of them weighted by where
-    they are (`_weights`), and the sum of their magnitudes: what a later run must give again. Outside every
-    torch-function mode (the step's own, a user's): the step's bookkeeping, which no mode has to see."""
+    """Four numbers per output (a 2 x 2 block each, in float64): its sum and three sums weighted by where its values
+    are (`_sums`), what a later run must give again. Outside every torch-function mode (the step's own, a user's):
+    the step's bookkeeping, which no mode has to see."""
     with torch._C.DisableTorchFunction():
         if not outputs:
-            return torch.zeros(0, 3, dtype=torch.float64)
+            return torch.zeros(0, 2, 2, dtype=torch.float64)
         for o in outputs:
             if python_tensor(o):
                 raise CannotCheck(
                     f"a forward gave a {type(o).__name__}, a tensor subclass whose ops run in Python "
                     "(__torch_dispatch__), whose values the step cannot read back to check a run of it again")
-        return torch.stack([_sums(o.detach()) for o in outputs]).double()
+        return torch.stack([_sums(_table(o)) for o in outputs])
 
 
-
-def _sums(o: Tensor) -> Tensor:
-    """The sums, reduced in the tensor's own float32 or float64, and in float32 from a lower precision. Not with
-    `dtype=torch.float64` on a float32 tensor: on the CPU that makes a copy of it, twice its size, at the moment a
-    recomputation holds the most. Few ops: a region of small tensors takes a fingerprint of each output at every
-    call, where each op costs more than its sums."""
+def _table(o: Tensor) -> Tensor:
+    """An output's values as a 2-D table, a row per index of its outermost dimension in memory (one row for a
+    scalar, one per value for a vector): a view of any dense tensor (channels-last too), not a copy. Its rows and
+    columns follow the memory's order, so that a run must give its output in the forward's memory format."""
+    o = o.detach()
     if o.is_complex():
         o = torch.view_as_real(o)  # the real and imaginary parts side by side, each checked
     if not o.is_floating_point():
         o = o.double()
-    accumulate = None if o.dtype in (torch.float32, torch.float64) else torch.float32
     if o.dim() < 2:
-        o = o.reshape(-1, 1)
-    rows = o.sum(dim=tuple(range(1, o.dim())), dtype=accumulate)  # a pass over the values, as the sum's would be
-    sums = torch.cat([rows, o.sum(dim=0, dtype=accumulate).reshape(-1)])  # each row's, and each place's
-    return torch.cat([sums @ _weights(len(rows), sums), torch.linalg.vector_norm(o, 1, dtype=accumulate).reshape(1)])
+        return o.reshape(-1, 1)
+    if not o.is_contiguous():
+        o = o.permute(sorted(range(o.dim()), key=o.stride, reverse=True))
+    return o.flatten(1)
 
 
-def _weights(rows: int, sums: Tensor) -> Tensor:
-    """Two columns for `sums`, each of an output's `rows` row sums and then each place's sum over the rows: ones
-    for the rows, whose product is the plain sum; and weights, the same values elsewhere (rows or places swapped,
-    a flip, a roll, channels shuffled by a draw from Python's random) giving another weighted sum, where the plain
-    sums stay. The weights are the fractional parts of multiples of the golden ratio, which no reversal or shift
-    maps onto themselves. Short ones are kept, per dtype and device: making them would cost more than the sums."""
-    key = (rows, len(sums), sums.dtype, sums.device)
+def _sums(table: Tensor) -> Tensor:
+    """`R.T @ table @ C`: R's columns weigh the rows by 1 and by `_weights`, C's the columns, so that the first
+    entry is the sum and the others tell the same values elsewhere. Two matrix products, whatever the size: a region
+    of small tensors takes a fingerprint at every call, where each op costs more than its sums. The first sums over
+    the rows in float32 or float64 (a float16 table is read in float32 a piece at a time, not copied whole); the
+    second, of two numbers per column, in float64."""
+    rows, columns = table.shape
+    pieces = [table] if table.dtype in (torch.float32, torch.float64) else [
+        piece.float() for piece in table.split(max(_PIECE // max(rows, 1), 1), 1)]
+    by_rows = [_weights(rows, piece.dtype, table.device).T @ piece for piece in pieces]
+    by_rows = by_rows[0] if len(by_rows) == 1 else torch.cat(by_rows, 1)
+    return by_rows.double() @ _weights(columns, torch.float64, table.device)
+
+
+_PIECE = 1 << 20  # values of a float16 or bfloat16 table read in float32 at a time
+
+
+def _weights(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Two columns of `length`: ones, whose product is the plain sum; and weights, giving another
+    weighted sum where the same values are elsewhere (rows or columns swapped, a flip, a roll, channels shuffled by
+    a draw from Python's random). The weights are the fractional parts of multiples of the golden ratio, which no
+    reversal or shift maps onto themselves. They are kept, up to a bound: making them costs more than the sums."""
+    key = (length, dtype, device)
     weights = _KEPT.get(key)
     if weights is None:
-        weights = torch.zeros(len(sums), 2, dtype=sums.dtype, device=sums.device)
-        weights[:rows, 0] = 1
-        multiples = torch.arange(1, len(sums) + 1, dtype=sums.dtype, device=sums.device)
-        weights[:, 1] = multiples.mul_(0.6180339887498949).frac_()
-        if len(sums) <= _KEPT_UP_TO and len(_KEPT) < _MOST_KEPT:
+        multiples = torch.arange(1, length + 1, dtype=torch.float64, device=device)
+        weights = torch.stack([torch.ones_like(multiples), multiples.mul_(0.6180339887498949).frac_()], 1)
+        weights = weights.to(dtype)
+        if len(_KEPT) < _MOST_KEPT and sum(w.nbytes for w in _KEPT.values()) + weights.nbytes <= _MOST_BYTES:
             _KEPT[key] = weights
     return weights
 
 
-_KEPT_UP_TO = 4096  # weights for at most this many sums are kept (32 KB each in float32)
-_MOST_KEPT = 256  # shapes whose weights are kept: a model of ever new shapes makes the others afresh
-_KEPT: dict[tuple[int, int, torch.dtype, torch.device], Tensor] = {}
+_MOST_KEPT = 256  # lengths whose weights are kept: a model of ever new shapes makes the others afresh
+_MOST_BYTES = 32 << 20  # and at most this many bytes of them in all
+_KEPT: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
 
 
 def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
-    """Whether a run's `outputs` are the forward's, whose fingerprints were `forward`, to the outputs' dtypes'
-    rounding of their magnitude (a sum that cancels to near zero is judged against the sum of magnitudes, not itself;
-    a NaN where the forward had one too, an overflow a GradScaler skips the step for, is the same overflow again)."""
+    """Whether a run's `outputs` are the forward's, whose fingerprints were `forward`: the same numbers, or, where
+    they differ, numbers as near as a kernel's rounding puts them (`_rounding`). A NaN where the forward had one too,
+    an overflow a GradScaler skips the step for, is the same overflow again."""
     again, first = _read(fingerprint(outputs), forward)
     return _same(again, first, outputs)
 
@@ -104,7 +117,7 @@ def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
     vouch for nothing: a region that returns scores masked with -inf, or a forward that overflowed, runs under
     layerwise, which runs it once."""
     again, first = _read(fingerprint(outputs), forward)
-    if not all(math.isfinite(x) for row in first for x in row):
+    if not all(math.isfinite(x) for numbers in first for x in numbers):
         raise CannotCheck("a region's forward gave an output holding an inf or a NaN, whose sums hide its other "
                           "values, so that the step cannot check a run of it again")
     if not _same(again, first, outputs):
@@ -112,21 +125,37 @@ def check_outputs(outputs: list[Tensor], forward: Tensor, refusal: str) -> None:
 
 
 def _read(again: Tensor, forward: Tensor) -> tuple[list[list[float]], list[list[float]]]:
-    """Both fingerprints as Python floats: a handful of numbers, for which each tensor op would cost more than the
-    work."""
+    """Both fingerprints as Python floats, four per output: a handful of numbers, for which each tensor op would
+    cost more than the work."""
     with torch._C.DisableTorchFunction():
-        return again.tolist(), forward.tolist()
+        return ([a + b for a, b in again.tolist()], [a + b for a, b in forward.tolist()])
 
 
 def _same(again: list[list[float]], first: list[list[float]], outputs: list[Tensor]) -> bool:
-    return len(again) == len(first) and all(_alike(a, b, _tolerance(o.dtype)) for a, b, o in zip(again, first, outputs))
+    return len(again) == len(first) and all(_alike(a, b, o) for a, b, o in zip(again, first, outputs))
 
 
-def _alike(a: list[float], b: list[float], tolerance: float) -> bool:
-    scale = max(abs(a[2]), abs(b[2]))  # the sums of magnitudes
-    return all(x == y or abs(x - y) <= tolerance * scale or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b))
+def _alike(a: list[float], b: list[float], output: Tensor) -> bool:
+    if all(x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a, b)):
+        return True
+    scale = _rounding(output)
+    return math.isfinite(scale) and all(abs(x - y) <= scale for x, y in zip(a, b))  # not where one is inf or NaN
 
 
-def _tolerance(dtype: torch.dtype) -> float:
-    dtype = dtype.to_real() if dtype.is_complex else dtype
-    return 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 1e-2
+def _rounding(output: Tensor) -> float:
+    """How far apart two runs' fingerprints of `output` may be, where a kernel rounds differently from one run to
+    the next (another algorithm, another order of its sums): `_SLACK` times the spread of such errors' weighted sums,
+    each value within its dtype's epsilon, and each of the first product's sums within float32's or float64's. That
+    spread is the epsilon times the table's norm (times the square root of its rows for the sums over them). Not a
+    bound on errors of one sign (an epsilon of the sum of magnitudes): that grows with the number of values, where a
+    change drawn at random, which the check is for, grows as its square root, and would hide in a large output."""
+    with torch._C.DisableTorchFunction():
+        table = _table(output)
+        sums = torch.float64 if table.dtype == torch.float64 else torch.float32  # as `_sums` sums over the rows
+        norm = torch.linalg.vector_norm(table, dtype=None if table.dtype == sums else sums).item()
+    dtype = output.dtype.to_real() if output.is_complex() else output.dtype
+    values = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return _SLACK * norm * (values + torch.finfo(sums).eps * math.sqrt(len(table)))
+
+
+_SLACK = 4
