@@ -36,8 +36,8 @@ def tensor_leaves(out: Any) -> list[Tensor]:
 
 def fingerprint(outputs: list[Tensor]) -> Tensor:
     """Four numbers per output (a 2 x 2 block each, in float64): its sum and three sums weighted by where its values
-    are (`_sums`), what a later run must give again. Outside every torch-function mode (the step's own, a user's):
-    the step's bookkeeping, which no mode has to see."""
+    are (`_sums`), what a later run must give again. Outside every torch-function mode (the step's own, a user's),
+    and without grad: the step's bookkeeping, which no mode and no graph has to see."""
     with torch._C.DisableTorchFunction():
         if not outputs:
             return torch.zeros(0, 2, 2, dtype=torch.float64)
@@ -46,14 +46,18 @@ def fingerprint(outputs: list[Tensor]) -> Tensor:
                 raise CannotCheck(
                     f"a forward gave a {type(o).__name__}, a tensor subclass whose ops run in Python "
                     "(__torch_dispatch__), whose values the step cannot read back to check a run of it again")
-        return torch.stack([_sums(_table(o)) for o in outputs])
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return torch.stack([_sums(_table(o)) for o in outputs])
+        finally:
+            torch._C._set_grad_enabled(grad)
 
 
 def _table(o: Tensor) -> Tensor:
     """An output's values as a 2-D table, a row per index of its outermost dimension in memory (one row for a
     scalar, one per value for a vector): a view of any dense tensor (channels-last too), not a copy. Its rows and
     columns follow the memory's order, so that a run must give its output in the forward's memory format."""
-    o = o.detach()
     if o.is_complex():
         o = torch.view_as_real(o)  # the real and imaginary parts side by side, each checked
     if not o.is_floating_point():
@@ -66,32 +70,38 @@ def _table(o: Tensor) -> Tensor:
 
 
 def _sums(table: Tensor) -> Tensor:
-    """`R.T @ table @ C`: R's columns weigh the rows by 1 and by `_weights`, C's the columns, so that the first
-    entry is the sum and the others tell the same values elsewhere. Two matrix products, whatever the size: a region
-    of small tensors takes a fingerprint at every call, where each op costs more than its sums. The first sums over
-    the rows in float32 or float64 (a float16 table is read in float32 a piece at a time, not copied whole); the
-    second, of two numbers per column, in float64."""
+    """`R.T @ table @ C` in float64: R's columns weigh the rows by 1 and by `_weights`, C's the columns, so that the
+    first entry is the sum and the others tell the same values elsewhere. Few ops, whatever the size: a region of
+    small tensors takes a fingerprint at every call, where each op costs more than its sums. A small table is read
+    in float64 whole; a large one sums over its rows first, in float32 or float64 (a float16 table a piece at a
+    time), not copied whole."""
     rows, columns = table.shape
+    device = table.device
+    if table.numel() <= _SMALL:
+        return torch.linalg.multi_dot([_weights(rows, torch.float64, device, True), table.double(),
+                                       _weights(columns, torch.float64, device, False)])
     pieces = [table] if table.dtype in (torch.float32, torch.float64) else [
         piece.float() for piece in table.split(max(_PIECE // max(rows, 1), 1), 1)]
-    by_rows = [_weights(rows, piece.dtype, table.device).T @ piece for piece in pieces]
+    by_rows = [_weights(rows, piece.dtype, device, True) @ piece for piece in pieces]
     by_rows = by_rows[0] if len(by_rows) == 1 else torch.cat(by_rows, 1)
-    return by_rows.double() @ _weights(columns, torch.float64, table.device)
+    return by_rows.double() @ _weights(columns, torch.float64, device, False)
 
 
+_SMALL = 1 << 16  # values of a table read in float64 whole (a copy of 512 KiB at most)
 _PIECE = 1 << 20  # values of a float16 or bfloat16 table read in float32 at a time
 
 
-def _weights(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Two columns of `length`: ones, whose product is the plain sum; and weights, giving another
-    weighted sum where the same values are elsewhere (rows or columns swapped, a flip, a roll, channels shuffled by
-    a draw from Python's random). The weights are the fractional parts of multiples of the golden ratio, which no
-    reversal or shift maps onto themselves. They are kept, up to a bound: making them costs more than the sums."""
-    key = (length, dtype, device)
+def _weights(length: int, dtype: torch.dtype, device: torch.device, across: bool) -> Tensor:
+    """Two columns of `length` (two rows, `across`): ones, whose product is the plain sum; and weights, giving
+    another weighted sum where the same values are elsewhere (rows or columns swapped, a flip, a roll, channels
+    shuffled by a draw from Python's random). The weights are the fractional parts of multiples of the golden ratio,
+    which no reversal or shift maps onto themselves. They are kept, up to a bound: making them costs more than the
+    sums."""
+    key = (length, dtype, device, across)
     weights = _KEPT.get(key)
     if weights is None:
         multiples = torch.arange(1, length + 1, dtype=torch.float64, device=device)
-        weights = torch.stack([torch.ones_like(multiples), multiples.mul_(0.6180339887498949).frac_()], 1)
+        weights = torch.stack([torch.ones_like(multiples), multiples.mul_(0.6180339887498949).frac_()], int(not across))
         weights = weights.to(dtype)
         if len(_KEPT) < _MOST_KEPT and sum(w.nbytes for w in _KEPT.values()) + weights.nbytes <= _MOST_BYTES:
             _KEPT[key] = weights
@@ -100,7 +110,7 @@ def _weights(length: int, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 _MOST_KEPT = 256  # lengths whose weights are kept: a model of ever new shapes makes the others afresh
 _MOST_BYTES = 32 << 20  # and at most this many bytes of them in all
-_KEPT: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+_KEPT: dict[tuple[int, torch.dtype, torch.device, bool], Tensor] = {}
 
 
 def same_outputs(outputs: list[Tensor], forward: Tensor) -> bool:
