@@ -1,7 +1,9 @@
-"""pytest configuration: every test starts from the same seed; a test taking `schedule` runs under each exact one,
+"""pytest configuration: each process of a parallel run (`-n auto`) takes its share of the cores; every test starts
+from the same seed; a test taking `schedule` runs under each exact one,
 segments at two settings (`schedule_any`: and "auto");
 `one_thread` for tests of small tensors; `fresh_dynamo` for tests that torch.compile; tests marked `cuda` skip,
 saying why, without a GPU."""
+import os
 import signal
 
 import pytest
@@ -15,6 +17,14 @@ from helpers import EXACT_SCHEDULES, STEP_SCHEDULES
 # as in a terminal; a handler installed here is reset to the default in each child program, which installs Python's.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_configure(config):
+    # Each of the processes pytest-xdist runs the tests in takes its share of the cores: with torch's default of all
+    # of them in each, their intra-op threads outnumber the cores and wait on each other.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_collection_modifyitems(config, items):

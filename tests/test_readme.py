@@ -29,7 +29,7 @@ def test_the_first_two_commands_run_the_demo_and_what_ci_runs():
     assert re.match(r'python -m pip install -e "\.\[all\]" && accumnorm study --quick\s', first), first
     ci = (ROOT / ".ci" / "run").read_text()
     install, tests = (part.split("#")[0].strip() for part in second.split("&&"))
-    assert (install, tests) == ('python -m pip install -e ".[dev]"', "python -m pytest -q"), second
+    assert (install, tests) == ('python -m pip install -e ".[dev]"', "python -m pytest -q -n auto"), second
     assert f"\n{install} || exit 1\n{tests}\n" in ci
 
 
