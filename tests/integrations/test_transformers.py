@@ -124,14 +124,16 @@ def test_trainer_equals_whole_batch_torch_and_the_stock_trainer_does_not(name, t
     """4 steps of 2 micro-batches of 3 over 23 images, float64, clipped, the LR halved every step; the last step
     is short (3 + 2). ExactTrainer's parameters and running statistics are whole-batch PyTorch's; the stock
     Trainer with the same arguments is visibly off (BatchNorm over 3 images, and ResNet's loss counted twice;
-    run on ResNet only, MobileNetV2's float64 depthwise convolutions being slow on a CPU)."""
+    run on ResNet only, MobileNetV2's float64 depthwise convolutions being slow on a CPU). Within 1e-8: whole-batch
+    PyTorch itself moves by 2.1e-9 between 1 and 2 intra-op threads, on MobileNetV2's last running variance (of 6
+    values at a 1x1 map, after 4 steps)."""
     data, start = images(23, size=16 if name == "resnet" else 8), hf_model(name)
     ours = copy.deepcopy(start)
     trainer = train(ExactTrainer, ours, arguments(tmp_path / "ours", 3, 2), data)
     assert [[len(b["labels"]) for b in step] for step in trainer.steps] == [[3, 3]] * 3 + [[3, 2]]
     oracle = copy.deepcopy(start)
     losses = whole_batch(oracle, trainer.steps)
-    assert_trained_alike(ours.state_dict(), oracle.state_dict(), 1e-9)
+    assert_trained_alike(ours.state_dict(), oracle.state_dict(), 1e-8)
     # the Trainer's mean of the losses training_step returned (1 per step, 0 for the other micro-batch), in float32
     assert trainer.state.log_history[-1]["train_loss"] == pytest.approx(sum(losses) / 4, rel=1e-6)
 
