@@ -152,3 +152,16 @@ def test_a_fingerprint_tells_one_value_changed_or_two_swapped_in_a_large_output(
     rounded = x * (1 + torch.finfo(dtype).eps * signs)  # each value a rounding off, up or down
     assert not same_outputs([raised], first) and not same_outputs([swapped], first)
     assert same_outputs([x.clone()], first) and same_outputs([rounded], first)
+
+
+def test_an_expanded_output_is_read_once_not_copied():
+    """An output expanded from a few values (a position embedding over the batch) was read as a table of all its
+    places, which copied it whole: 128 MiB for this one. Its values are read once, where they lie, and another base
+    expanded the same way is told apart."""
+    from accumnorm._engine.checkpointing.again import _table, fingerprint, same_outputs
+
+    x = torch.randn(1, 1, 512).expand(64, 1024, 512)
+    table = _table(x)
+    assert table.numel() == 512 and table.data_ptr() == x.data_ptr()
+    assert same_outputs([x], fingerprint([x]))
+    assert not same_outputs([torch.randn(1, 1, 512).expand(64, 1024, 512)], fingerprint([x]))

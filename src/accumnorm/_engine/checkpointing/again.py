@@ -56,8 +56,9 @@ def fingerprint(outputs: list[Tensor]) -> Tensor:
 
 def _table(o: Tensor) -> Tensor:
     """An output's values as a 2-D table, a row per index of its outermost dimension in memory (one row for a
-    scalar, one per value for a vector): a view of any dense tensor (channels-last too), not a copy. Its rows and
-    columns follow the memory's order, so that a run must give its output in the forward's memory format."""
+    scalar, one per value for a vector): a view of any dense tensor (channels-last too), not a copy; of an expanded
+    one, its values once. Its rows and columns follow the memory's order and layout, so that a run must give its
+    output in the forward's."""
     if o.is_complex():
         o = torch.view_as_real(o)  # the real and imaginary parts side by side, each checked
     if not o.is_floating_point():
@@ -65,6 +66,8 @@ def _table(o: Tensor) -> Tensor:
     if o.dim() < 2:
         return o.reshape(-1, 1)
     if not o.is_contiguous():
+        if 0 in o.stride():  # expanded: the values along a dimension of stride 0 are one, read once, not copied
+            o = o[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in o.stride())]
         o = o.permute(sorted(range(o.dim()), key=o.stride, reverse=True))
     return o.flatten(1)
 
