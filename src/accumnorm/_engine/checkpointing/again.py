@@ -157,18 +157,18 @@ def _alike(a: list[float], b: list[float], output: Tensor) -> bool:
 
 def _rounding(output: Tensor) -> float:
     """How far apart two runs' fingerprints of `output` may be, where a kernel rounds differently from one run to
-    the next (another algorithm, another order of its sums): `_SLACK` times the spread of such errors' weighted sums,
-    each value within its dtype's epsilon, and each of the first product's sums within float32's or float64's. That
-    spread is the epsilon times the table's norm (times the square root of its rows for the sums over them). Not a
-    bound on errors of one sign (an epsilon of the sum of magnitudes): that grows with the number of values, where a
-    change drawn at random, which the check is for, grows as its square root, and would hide in a large output."""
+    the next (another algorithm, another order of its sums, another path for a reduced precision under autocast):
+    `_SLACK` epsilons of the output's dtype, and of the fingerprint's own sums (float32's or float64's), per value,
+    all of one sign: that many epsilons of the sum of its magnitudes. A bound, not a spread: such errors can lean
+    one way (they did in a float16/bfloat16 region under autocast), and one value moved by a unit in a large float32
+    output still shows."""
     with torch._C.DisableTorchFunction():
         table = _table(output)
         sums = torch.float64 if table.dtype == torch.float64 else torch.float32  # as `_sums` sums over the rows
-        norm = torch.linalg.vector_norm(table, dtype=None if table.dtype == sums else sums).item()
+        magnitudes = torch.linalg.vector_norm(table, 1, dtype=None if table.dtype == sums else sums).item()
     dtype = output.dtype.to_real() if output.is_complex() else output.dtype
     values = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
-    return _SLACK * norm * (values + torch.finfo(sums).eps * math.sqrt(len(table)))
+    return _SLACK * magnitudes * (values + torch.finfo(sums).eps)
 
 
 _SLACK = 4
