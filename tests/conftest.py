@@ -1,8 +1,7 @@
 """pytest configuration: each process of a parallel run (`-n auto`) takes its share of the cores; every test starts
-from the same seed; a test taking `schedule` runs under each exact one,
-segments at two settings (`schedule_any`: and "auto");
-`one_thread` for tests of small tensors; `fresh_dynamo` for tests that torch.compile; tests marked `cuda` skip,
-saying why, without a GPU."""
+from the same seed; a test taking `schedule` runs under each exact one, segments at two settings (`schedule_any`:
+and "auto"); `one_thread` for tests of small tensors; `fresh_dynamo` for tests that torch.compile; tests marked
+`cuda` skip, saying why, without a GPU."""
 import os
 import signal
 

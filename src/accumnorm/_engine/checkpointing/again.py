@@ -83,11 +83,17 @@ def _sums(table: Tensor) -> Tensor:
     if table.numel() <= _SMALL:
         return torch.linalg.multi_dot([_weights(rows, torch.float64, device, True), table.double(),
                                        _weights(columns, torch.float64, device, False)])
-    pieces = [table] if table.dtype in (torch.float32, torch.float64) else [
-        piece.float() for piece in table.split(max(_PIECE // max(rows, 1), 1), 1)]
+    accumulate = _accumulation(table)
+    pieces = [table] if table.dtype == accumulate else [
+        piece.to(accumulate) for piece in table.split(max(_PIECE // max(rows, 1), 1), 1)]
     by_rows = [_weights(rows, piece.dtype, device, True) @ piece for piece in pieces]
     by_rows = by_rows[0] if len(by_rows) == 1 else torch.cat(by_rows, 1)
     return by_rows.double() @ _weights(columns, torch.float64, device, False)
+
+
+def _accumulation(table: Tensor) -> torch.dtype:
+    """The dtype a large table's sums over its rows are taken in: float64's own, float32 for any other."""
+    return torch.float64 if table.dtype == torch.float64 else torch.float32
 
 
 _SMALL = 1 << 16  # values of a table read in float64 whole (a copy of 512 KiB at most)
@@ -164,7 +170,7 @@ def _rounding(output: Tensor) -> float:
     output still shows."""
     with torch._C.DisableTorchFunction():
         table = _table(output)
-        sums = torch.float64 if table.dtype == torch.float64 else torch.float32  # as `_sums` sums over the rows
+        sums = _accumulation(table)
         magnitudes = torch.linalg.vector_norm(table, 1, dtype=None if table.dtype == sums else sums).item()
     dtype = output.dtype.to_real() if output.is_complex() else output.dtype
     values = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
