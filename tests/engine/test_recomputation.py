@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 from accumnorm._engine.checkpointing.checkpointed import checkpointed
+from accumnorm._engine.checkpointing.handoff import Handoffs
 
 
 def region(width: int, p: float) -> nn.Sequential:
@@ -25,7 +26,7 @@ def gradients(model: nn.Module, x: torch.Tensor, how: str, seed: int) -> list[to
     x = x.detach().requires_grad_()
     torch.manual_seed(seed)
     if how == "frame":
-        with checkpointed([model[0]], lambda frame, r: None):
+        with checkpointed([model[0]], lambda frame, r: None, Handoffs()):
             out = model(x * 1)
     elif how == "torch":
         out = model[1:](checkpoint(model[0], x * 1, use_reentrant=False))
@@ -66,7 +67,7 @@ def test_a_regions_frame_holds_its_input_only_through_the_hooks_below_it():
     model = nn.Sequential(region(4, 0.0), nn.Linear(4, 3)).double()
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
     expected = gradients(copy.deepcopy(model), x, "none", 0)
-    with checkpointed([model[0]], lambda frame, r: None), \
+    with checkpointed([model[0]], lambda frame, r: None, Handoffs()), \
             torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
         h = x * 1
         held = weakref.ref(h)
@@ -81,7 +82,7 @@ def test_a_regions_frame_holds_its_input_only_through_the_hooks_below_it():
 def test_a_second_backward_through_a_region_recomputes_it_again():
     model = nn.Sequential(region(4, 0.0), nn.Linear(4, 3)).double()
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
-    with checkpointed([model[0]], lambda frame, r: None):
+    with checkpointed([model[0]], lambda frame, r: None, Handoffs()):
         out = model(x).square().sum()
     first = torch.autograd.grad(out, x, retain_graph=True)[0]
     second = torch.autograd.grad(out, x)[0]
@@ -92,7 +93,7 @@ def test_a_second_backward_through_a_region_recomputes_it_again():
 def test_an_input_changed_in_place_after_the_region_is_refused_at_the_backward():
     model = nn.Sequential(region(4, 0.0), nn.Linear(4, 3)).double()
     x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
-    with checkpointed([model[0]], lambda frame, r: None):
+    with checkpointed([model[0]], lambda frame, r: None, Handoffs()):
         h = x * 1
         out = model(h).sum()
     with torch.no_grad():

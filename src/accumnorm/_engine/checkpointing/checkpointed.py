@@ -35,6 +35,7 @@ from ..safety.flatten import flatten
 from ..safety.threadstate import saved_tensor_hooks
 from .again import RegionStateChanged
 from .frames import in_recomputation, in_region
+from .handoff import Handoffs
 from .recomputation import Metadata, RegionFrame
 from .regions import Region, Run, record_saved, region_modules
 
@@ -68,14 +69,15 @@ def _saved_bytes(frame: RegionFrame, parameter_shapes: Counter[tuple[int, ...]],
 
 def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *,
                  own: Own, cpu_state: Callable[[], Tensor], parameter_shapes: dict[Region, Counter[tuple[int, ...]]],
-                 metadata: dict[Metadata, Metadata]) -> Any:
+                 metadata: dict[Metadata, Metadata], handoffs: Handoffs) -> Any:
     """`forward(*args, **kwargs)` in a checkpointed region (`recomputation.RegionFrame`). The arguments go in as
     their tensors, which the region keeps, and a structure built afresh around them: a list the caller appends to
     after the call (DenseNet's features) is recomputed as the forward saw it. A forward that changes its tensors or
     containers in place is refused. `own(frame, region)` learns of each forward's call: the region's frame, in which
     convolutions may keep their outputs. `cpu_state()`: the CPU generator's state for the frame to begin its
     recomputation with. `parameter_shapes`: each region's (`_parameter_shapes`), read once a step; `metadata`: the
-    step's frames' saved-tensor metadata, each once (`RegionFrame`)."""
+    step's frames' saved-tensor metadata, each once (`RegionFrame`); `handoffs`: the step's region outputs, which a
+    later region call may take as its input."""
     hooks = saved_tensor_hooks()
     # Inside a region of the user's, in its forward or in its recomputation in the backward: as it is, both times.
     if not torch.is_grad_enabled() or in_region(hooks) or in_recomputation(hooks):
@@ -100,8 +102,10 @@ def _region_call(region: Region, forward: Callable[..., Any], args: tuple, kwarg
 
         inputs = [leaves[i] for i in tensors]
         frame = RegionFrame(run, inputs, cpu_state(), metadata)
+        handoffs.took(frame, inputs)
         own(frame, region)
-    out = frame.forward(run, inputs)
+    out = frame.forward(run, inputs, handoffs.later(region))
+    handoffs.gave(frame, region, out)
     with torch._C.DisableTorchFunction():
         if region not in parameter_shapes:  # after its first forward, which makes a lazy layer's parameters
             parameter_shapes[region] = _parameter_shapes(region)
@@ -157,13 +161,14 @@ def _call_in_turn(children: list[nn.Module], input: Any) -> Any:
     return input
 
 
-def checkpointed(regions: list[Region], own: Own, cpu_state: Callable[[], Tensor] = torch.get_rng_state
-                 ) -> AbstractContextManager[None]:
+def checkpointed(regions: list[Region], own: Own, handoffs: Handoffs,
+                 cpu_state: Callable[[], Tensor] = torch.get_rng_state) -> AbstractContextManager[None]:
     """The regions' forwards checkpointed until the block ends: a module region's own forward, and the forward of
     the `nn.Sequential` that holds a run. `own(frame, region)` learns of each checkpoint frame they make;
-    `cpu_state()` gives the CPU generator's state each frame's recomputation begins with. Default: read anew."""
+    `handoffs` follows their outputs, and is settled once the forwards end (`Handoffs.settle`); `cpu_state()` gives
+    the CPU generator's state each frame's recomputation begins with. Default: read anew."""
     return patched(regions, functools.partial(_region_call, own=own, cpu_state=cpu_state, parameter_shapes={},
-                                              metadata={}))
+                                              metadata={}, handoffs=handoffs))
 
 
 @contextmanager

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from ..safety import untraced
 from ..safety.threadstate import Modes
-from .again import check_outputs, fingerprint, tensor_leaves
+from .again import RegionStateChanged, check_kept, check_outputs, fingerprint, tensor_leaves
 
 __all__ = ["RegionFrame", "is_recomputation_hook", "region_frame"]
 
@@ -70,6 +70,7 @@ class RegionFrame:
         random_state = _random_state(devices, cpu_state)
         self.recompute_fn = functools.partial(_rerun, fn, random_state, Modes.current(), _device_context())
         below = _top(False)  # the step's store or meter: the inputs are tensors the step keeps for its backward
+        self.inputs_as_given = below is None  # kept as the tensors given, not packed by a hook below
         if below is None:
             self._inputs = [(None, t, t._version, t.requires_grad) for t in inputs]
         else:
@@ -78,16 +79,58 @@ class RegionFrame:
         self._recomputing = False
         self.on_unpack: Callable[[], None] | None = None  # called as the backward reads each saved tensor (`unpack`)
         self.outputs: Tensor | None = None  # the fingerprints of the forward's tensor outputs (`again`)
+        # the forward's one output and its version: not yet fingerprinted (`forward`), or held by the next region as
+        # its input (`hand_on`), which the recomputation's is compared with
+        self.pending: tuple[Tensor, int] | None = None
+        self.handed_on: tuple[Tensor, int] | None = None
+        self._missed: Callable[[], None] | None = None
+        # the forwards are over: the next recomputation is the step's backward's, the last, which lets go of the
+        # output handed on once compared (it is a whole boundary of the batch, which the backward would have freed)
+        self.last_recomputation = False
+        self._let_go = False
 
-    def forward(self, fn: Callable[..., Any], inputs: Sequence[Tensor]) -> Any:
-        """`fn(*inputs)`, its saved tensors left to the recomputation."""
+    def forward(self, fn: Callable[..., Any], inputs: Sequence[Tensor], later: Callable[[], None] | None = None
+                ) -> Any:
+        """`fn(*inputs)`, its saved tensors left to the recomputation. With `later`, an output that is one tensor is
+        not fingerprinted yet: the next region may keep it as its input (`hand_on`); `settle` takes it otherwise, or
+        calls `later()` where it can no longer be read as the forward made it."""
         _push(self.pack, self.unpack)
         try:
             out = fn(*inputs)
         finally:
             _pop()
-        self.outputs = fingerprint(tensor_leaves(out))
+        if later is not None and type(out) is Tensor:
+            self.pending, self._missed = (out, out._version), later
+        else:
+            self.outputs = fingerprint(tensor_leaves(out))
         return out
+
+    def hand_on(self) -> None:
+        """The output left for later is the next region's input, kept unchanged until the recomputation: the output
+        it must give again, in place of a fingerprint."""
+        self.handed_on, self.pending = self.pending, None
+
+    def let_go(self) -> None:
+        """Let go of the output held (left for later, or handed on): nothing is left to check a recomputation
+        against."""
+        if self.pending is not None or self.handed_on is not None:
+            self.pending = self.handed_on = self._missed = None
+            self._let_go = True
+
+    def settle(self) -> None:
+        """Fingerprint the output left for later, which no region kept: as the forward made it, or a refusal where
+        it has changed in place since, which leaves nothing to check the recomputation against."""
+        if self.pending is None:
+            return
+        (out, version), self.pending = self.pending, None
+        if out._version != version:
+            if self._missed is not None:
+                self._missed()
+            raise RegionStateChanged(
+                "the recompute schedule checks a region's recomputation against its forward's output, but that output "
+                "was changed in place after the region returned it, before the step could read it; the next steps "
+                "read it at once")
+        self.outputs = fingerprint([out])
 
     def pack(self, t: Tensor) -> int:
         metadata, key = self.metadata, (t.shape, t.dtype, t.device)
@@ -178,8 +221,15 @@ def _recompute(frame: RegionFrame) -> list[Any]:
     finally:
         _pop()
         frame._recomputing = False
-    if frame.outputs is not None:
+    frame.settle()  # a recomputation before the forwards' end (an autograd.grad in a loss)
+    if frame.handed_on is not None:
+        _check_handed_on(frame, out)
+    elif frame.outputs is not None:
         check_outputs(tensor_leaves(out), frame.outputs, _OTHER_OUTPUTS)
+    elif frame._let_go:
+        raise RegionStateChanged("a region of the recompute schedule ran again after the step's backward had checked "
+                                 "and let go of its forward's output (a backward inside a backward hook?): nothing is "
+                                 "left to check that run against")
     saved, metadata = hook.saved, frame.metadata
     if len(saved) != len(metadata):
         raise CheckpointError("torch.utils.checkpoint: A different number of tensors was saved during the original "
@@ -194,6 +244,21 @@ def _recompute(frame: RegionFrame) -> list[Any]:
             + "; ".join(f"tensor at position {i}: saved {m}, recomputed {r}" for i, m, r in different[:5]))
     saved.append(len(metadata))
     return saved
+
+
+def _check_handed_on(frame: RegionFrame, out: Any) -> None:
+    """Check a recomputation against the forward's output that the next region kept (`again.check_kept`); let go of
+    that output after the step's backward's recomputation."""
+    kept, version = frame.handed_on
+    if kept._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: the "
+            f"output of shape {tuple(kept.shape)} of a region of the recompute schedule is at version "
+            f"{kept._version}; expected version {version} instead (changed in place after the next region took it, "
+            "which leaves nothing to check the region's recomputation against)")
+    check_kept(tensor_leaves(out), kept, _OTHER_OUTPUTS)
+    if frame.last_recomputation:
+        frame.let_go()
 
 
 RandomState = tuple[Tensor, list[tuple[torch.device, Tensor]]]  # the CPU generator's, and some devices' generators'

@@ -26,12 +26,13 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["Run", "Region", "choose_regions", "keep_allowance", "largest_saved", "measured_saved", "record_saved",
-           "region_modules"]
+__all__ = ["Run", "Region", "RegionMemo", "choose_regions", "keep_allowance", "largest_saved", "measured_saved",
+           "record_saved", "region_modules"]
 
 _SHARE = 0.25  # of the largest region's saved bytes, what the regions left as they are may keep together
 # of the largest region's saved bytes per sample, what the kept convolution outputs may take (`kept`): they stay
@@ -181,7 +182,7 @@ def largest_saved(regions: list[Region]) -> float:
 
 def measured_saved(regions: list[Region]) -> list[float | None]:
     """Each region's saved bytes per sample, as its last checkpointed forward measured them (None: not yet)."""
-    return [_SAVED.get(_key(r), {}).get(_length(r)) for r in regions]
+    return [_SAVED.get(r) for r in regions]
 
 
 def _unique(regions: list[Region]) -> list[Region]:
@@ -196,12 +197,21 @@ def _unique(regions: list[Region]) -> list[Region]:
     return out
 
 
-# a region's first module -> {the region's length in modules: the bytes per sample its forward saved for the
-# backward, as its last checkpointed forward measured them} (what `choose_regions` weighs)
-_SAVED: weakref.WeakKeyDictionary[nn.Module, dict[int, float]] = weakref.WeakKeyDictionary()
+class RegionMemo:
+    """A value per region kept across steps (each step chooses its regions afresh, as new `Run`s): by the region's
+    first module, weakly, and its length in modules."""
+
+    def __init__(self) -> None:
+        self._values: weakref.WeakKeyDictionary[nn.Module, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+    def get(self, region: Region) -> Any:
+        return self._values.get(_first(region), {}).get(_length(region))
+
+    def set(self, region: Region, value: Any) -> None:
+        self._values.setdefault(_first(region), {})[_length(region)] = value
 
 
-def _key(region: Region) -> nn.Module:
+def _first(region: Region) -> nn.Module:
     return region.children()[0] if isinstance(region, Run) else region
 
 
@@ -209,6 +219,11 @@ def _length(region: Region) -> int:
     return region.stop - region.start if isinstance(region, Run) else 0
 
 
+# the bytes per sample each region's forward saved for the backward, as its last checkpointed forward measured them
+# (what `choose_regions` weighs)
+_SAVED = RegionMemo()
+
+
 def record_saved(region: Region, per_sample: float) -> None:
     """What a region's forward saved, per sample, for the next steps' choice."""
-    _SAVED.setdefault(_key(region), {})[_length(region)] = per_sample
+    _SAVED.set(region, per_sample)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..checkpointing.checkpointed import RegionState, RegionStateChanged, checkpointed
+from ..checkpointing.handoff import Handoffs
 from ..checkpointing.regions import Region, choose_regions, keep_allowance, largest_saved
 from ..memory.budget import Meter
 from ..memory.store import Store
@@ -46,11 +47,13 @@ class Recompute(Schedule):
             step.regions.own(frame)
             state.called(region)
 
-        with checkpointed(regions, called, lambda: step.rng.shared_states()[0]):
+        handoffs = Handoffs()
+        with checkpointed(regions, called, handoffs, lambda: step.rng.shared_states()[0]):
             state = RegionState(regions)  # with the regions' forwards patched in, as the forwards will find them
 
             def before_backward() -> None:
                 step.regions.kept.seal()
+                handoffs.settle()
                 problem = state.changed(step.names)
                 if problem is not None:
                     raise RegionStateChanged(f"the recompute schedule runs a region's forward again in the backward, "
@@ -63,3 +66,4 @@ class Recompute(Schedule):
                 lockstep(step, store, before_backward=before_backward)
             finally:
                 state.close()
+                handoffs.close()
