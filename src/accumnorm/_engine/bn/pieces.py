@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...functional import Moments, combine_moments, moments, update_running_stats_
+from ...functional import Moments, pieces_mean_var, update_running_stats_
 from .normalize import NormArgs, channel_shape, input_gradient_terms, invstd, normalize_with, scale, sums_term
 from .ranks import normalize_across_ranks
 
@@ -39,18 +39,19 @@ class _Local:
         self.mean = self.invstd = None
 
     def forward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None) -> list[Tensor]:
-        """Each piece normalized with the whole batch's statistics: the pieces' moments merged (torch's statistics
-        kernel on each, then Chan's formula), the running statistics updated once, as torch's would be."""
-        m = self.moments = combine_moments([moments(x) for x in xs]) if len(xs) > 1 else moments(xs[0])
+        """Each piece normalized with the whole batch's statistics (`pieces_mean_var`), the running statistics
+        updated once, as torch's would be. The variance normalized with is the moments' own, which a region's
+        recomputation reads again (`stats`)."""
+        mean, var, count = pieces_mean_var(xs)
+        m = self.moments = Moments(mean.new_full((), count), mean, var * count)
         var = m.var
-        self.mean, self.invstd = m.mean, invstd(var, self.eps)
-        if self.running_mean is not None and self.momentum is not None:
+        self.mean, self.invstd = mean, invstd(var, self.eps)
+        if self.running_mean is not None and self.momentum is not None and count > 0:  # none: torch leaves them
             # Through .data, as torch's kernel updates them: their version counters stay, so that an earlier call
             # of the same layer, whose backward saved them (torch's batch_norm does), is not invalidated.
-            update_running_stats_(self.running_mean.data, self.running_var.data, m.mean, m.unbiased_var,
-                                  self.momentum, m.count)
+            update_running_stats_(self.running_mean.data, self.running_var.data, mean, m.unbiased_var, self.momentum)
         self.running_mean = self.running_var = None  # updated once, in the forward
-        return [normalize_with(x, m.mean, var, weight, bias, self.eps) for x in xs]
+        return [normalize_with(x, mean, var, weight, bias, self.eps) for x in xs]
 
     def stats(self) -> Moments:
         """The forward's statistics (for a recomputation's output)."""
