@@ -155,7 +155,8 @@ class RecordedRegions:
 
     def _recomputation_mode(self, frame_ref: weakref.ref, batch_norm: Callable[[BNCall], Tensor]) -> NormCalls:
         """The step's mode for a region's recomputation: the recorded BatchNorm outputs, and the kept convolutions'."""
-        mode = NormCalls(batch_norm, INCall.output, self.watch)  # InstanceNorm: the same output, no update
+        # InstanceNorm: the same output, no update
+        mode = NormCalls(batch_norm, INCall.output, self.watch, replays=True)
         if self.kept is not None:
             mode.convolutions = functools.partial(self._replay, frame_ref)
         return mode

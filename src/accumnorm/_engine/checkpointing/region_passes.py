@@ -231,7 +231,8 @@ class RegionPasses:
         try:
             # Under a budget on the CPU, the backward of the recomputation reads the step's bound at each saved tensor
             with entry.modes.entered(Modes.current()), autocast_cache_off(), \
-                    NormCalls(batch_norm, INCall.output, self.step.watch), self.step.bound.saved_tensor_hooks():
+                    NormCalls(batch_norm, INCall.output, self.step.watch, replays=True), \
+                    self.step.bound.saved_tensor_hooks():
                 out = entry.forward(*args, **kwargs)
         except StopPass:
             return [], inputs, cut[0]

@@ -70,7 +70,7 @@ class BNCall:
     momentum: float | None
     eps: float
     module: nn.Module | None  # the module whose running_mean this is; None for a call without module buffers
-    modes: Modes
+    modes: Modes | None  # None in a region's recomputation, which gives a recorded output again (`replays`)
     # A call of a BatchNorm layer's forward, which counted it in num_batches_tracked (not a direct F.batch_norm
     # call on the layer's tensors, which torch counts nowhere).
     counted: bool = False
@@ -133,7 +133,7 @@ class NormCalls(TorchFunctionMode):
     """
 
     def __init__(self, on_batch_norm: Callable[[BNCall], Tensor], on_instance_norm: Callable[[INCall], Tensor],
-                 watch: Watch, gradients: bool = False) -> None:
+                 watch: Watch, gradients: bool = False, replays: bool = False) -> None:
         super().__init__()
         self.on_batch_norm, self.on_instance_norm = on_batch_norm, on_instance_norm
         # Read at every call: attributes of the mode's own rather than the watch's.
@@ -142,6 +142,9 @@ class NormCalls(TorchFunctionMode):
         # Whether torch.autograd.grad with respect to the parameters is the whole batch's under this mode: one
         # micro-batch, whose forward runs once with its graph.
         self.gradients = gradients
+        # Whether this mode runs a region's recomputation, whose calls give their recorded outputs again: they meet
+        # nothing, so their modes are not read (each read is some 35 getters, at every call).
+        self.replays = replays
         # `convolutions(layer, forward, args, kwargs)`, where set: how torch's convolution layers run under this mode
         # (`forwards`), for the recompute schedule's kept outputs (`checkpointing.kept`).
         self.convolutions: Callable[..., Tensor] | None = None
@@ -210,8 +213,11 @@ class NormCalls(TorchFunctionMode):
                    weight: Tensor | None, bias: Tensor | None, momentum: float | None, eps: float) -> Tensor:
         """A batch-statistics call, with this mode off the thread's stack (as in `__torch_function__`): its output."""
         refuse_replaced_norm_function("batch_norm")  # set by your functions during the step
-        modes = Modes.current()
-        self._refuse_where_inexact(modes)
+        modes = None if self.replays else Modes.current()
+        if modes is None:
+            self._refuse_where_inexact(torch.is_grad_enabled(), torch._C._is_fwd_grad_enabled())
+        else:
+            self._refuse_where_inexact(modes.grad, modes.fwd_grad)
         owner = None if running_mean is None else self.owners.get(id(running_mean))
         if running_mean is not None and owner is None:  # at its first call, before the others count it up too
             raise ValueError(
@@ -236,7 +242,7 @@ class NormCalls(TorchFunctionMode):
     def _owner(self, running_mean: Tensor | None) -> nn.Module | None:
         return self.owners.get(id(running_mean)) if running_mean is not None else None
 
-    def _refuse_where_inexact(self, modes: Modes) -> None:
+    def _refuse_where_inexact(self, grad: bool, fwd_grad: bool) -> None:
         if torch.is_inference_mode_enabled():
             raise ValueError("bn='exact' met a BatchNorm call with batch statistics under torch.inference_mode, "
                              "whose tensors the step cannot meet the other micro-batches with. Nothing was changed. "
@@ -249,7 +255,7 @@ class NormCalls(TorchFunctionMode):
         # torch turns grad and forward-mode AD off for a custom Function's forward, which may turn grad back on:
         # with both on, none is running (unless it also turned forward-mode AD back on, through torch's private
         # `_set_fwd_grad_enabled`); else the frames say whose forward this is.
-        if modes.grad and modes.fwd_grad:
+        if grad and fwd_grad:
             return
         name = autograd_function_around(sys._getframe(2), self.stop)
         if name is not None:
