@@ -62,18 +62,19 @@ class _Local:
         """BatchNorm's backward with the forward's mean and invstd, over the pieces one at a time: no tensor of the
         whole batch, and each piece of `xs` let go of (set to None) once its input gradient is made."""
         mean, invstd_, shape = self.mean, self.invstd, channel_shape(xs[0])
-        sum_dy, sum_dy_xhat, count = torch.zeros_like(mean), torch.zeros_like(mean), 0
-        for x, dy in zip(xs, dys):
-            if x.numel() == 0:  # an empty piece adds nothing (and torch's kernel kills the process on one: SIGFPE)
-                continue
-            # torch's BatchNorm backward kernel, asked for its weight and bias gradients alone: the piece's
-            # sum(dy * x_hat) and sum(dy) in one pass, with the whole batch's mean and invstd.
-            _, piece_dy_xhat, piece_dy = torch.ops.aten.native_batch_norm_backward(
-                dy.to(mean.dtype), x.to(mean.dtype), None, None, None, mean, invstd_, True, self.eps,
-                [False, True, True])
-            sum_dy += piece_dy
-            sum_dy_xhat += piece_dy_xhat
-            count += x.numel() // x.shape[1]
+        # torch's BatchNorm backward kernel on each piece, asked for its weight and bias gradients alone: the piece's
+        # sum(dy * x_hat) and sum(dy) in one pass, with the whole batch's mean and invstd. An empty piece adds
+        # nothing (and torch's kernel kills the process on one: SIGFPE).
+        sums = [torch.ops.aten.native_batch_norm_backward(dy.to(mean.dtype), x.to(mean.dtype), None, None, None, mean,
+                                                          invstd_, True, self.eps, [False, True, True])[1:]
+                for x, dy in zip(xs, dys) if x.numel() > 0]
+        count = sum(x.numel() // x.shape[1] for x in xs)
+        if len(sums) == 1:
+            sum_dy_xhat, sum_dy = sums[0]
+        elif sums:  # summed over the pieces in two ops
+            sum_dy_xhat, sum_dy = torch.stack([s for pair in sums for s in pair]).view(len(sums), 2, -1).sum(0)
+        else:
+            sum_dy_xhat, sum_dy = torch.zeros_like(mean), torch.zeros_like(mean)
         dw = sum_dy_xhat if needs[1] else None
         db = sum_dy if needs[2] else None
         dxs = None
