@@ -7,7 +7,7 @@ makes itself (the user's own checkpoints stay torch's):
   its place and its metadata (shape, dtype, device);
 - the frame keeps the region's inputs, packed by the hooks below its own (the step's host store or meter, where
   there is one), the random state the forward began with, and the modes it ran in (`threadstate.Modes`: grad
-  mode, autocast, the process's flags; and a `torch.device` context);
+  mode, autocast, the process's flags; and a `torch.device` context), to run it again with (`rerun`);
 - in the backward, the first unpack of a graph task runs the function again (`recompute_fn`, which the step may
   wrap: `recorded`) with those, under a hook that keeps what it saves, in order; each unpack takes its tensor
   and lets it go.
@@ -26,20 +26,16 @@ tensor is saved again): a region's tail after its last saved tensor is one op or
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._device import DeviceContext
 from torch.utils.checkpoint import CheckpointError
 
 from ..safety import untraced
-from ..safety.threadstate import Modes
 from .again import RegionStateChanged, check_kept, check_outputs, fingerprint, tensor_leaves
+from .rerun import rerun_later
 
 __all__ = ["RegionFrame", "is_recomputation_hook", "region_frame"]
 
@@ -64,11 +60,7 @@ class RegionFrame:
                  interned: dict[Metadata, Metadata]) -> None:
         self.metadata: list[Metadata] = []
         self._interned = interned
-        # the random state of the CPU (`cpu_state`) and of each other device the inputs are on (torch's checkpoint's
-        # choice)
-        devices = {t.device for t in inputs if t.device.type not in ("cpu", "meta")}
-        random_state = _random_state(devices, cpu_state)
-        self.recompute_fn = functools.partial(_rerun, fn, random_state, Modes.current(), _device_context())
+        self.recompute_fn = rerun_later(fn, inputs, cpu_state)
         below = _top(False)  # the step's store or meter: the inputs are tensors the step keeps for its backward
         self.inputs_as_given = below is None  # kept as the tensors given, not packed by a hook below
         if below is None:
@@ -259,40 +251,6 @@ def _check_handed_on(frame: RegionFrame, out: Any) -> None:
     check_kept(tensor_leaves(out), kept, _OTHER_OUTPUTS)
     if frame.last_recomputation:
         frame.let_go()
-
-
-RandomState = tuple[Tensor, list[tuple[torch.device, Tensor]]]  # the CPU generator's, and some devices' generators'
-
-
-def _random_state(devices: Iterable[torch.device], cpu: Tensor | None = None) -> RandomState:
-    """The CPU generator's state (`cpu`, else read now), and that of each of `devices`."""
-    cpu = torch.get_rng_state() if cpu is None else cpu
-    return cpu, [(d, getattr(torch, d.type).get_rng_state(d)) for d in devices]
-
-
-def _set_random_state(state: RandomState) -> None:
-    cpu, devices = state
-    torch.set_rng_state(cpu)
-    for d, device_state in devices:
-        getattr(torch, d.type).set_rng_state(device_state, d)
-
-
-def _device_context() -> torch.device | None:
-    """The device of a `torch.device` context the forward runs in, if any (re-entered afresh: torch's choice)."""
-    return next((mode.device for mode in reversed(_get_current_function_mode_stack())
-                 if isinstance(mode, DeviceContext)), None)
-
-
-def _rerun(fn: Callable[..., Any], random_state: RandomState, modes: Modes, device: torch.device | None,
-           *inputs: Tensor) -> Any:
-    """`fn(*inputs)` with the random state and modes its forward began with; the thread's own put back after."""
-    before = _random_state(d for d, _ in random_state[1])
-    _set_random_state(random_state)
-    try:
-        with modes.entered(Modes.current()), (nullcontext() if device is None else DeviceContext(device)):
-            return fn(*inputs)
-    finally:
-        _set_random_state(before)
 
 
 def region_frame(pack: Any) -> RegionFrame | None:
