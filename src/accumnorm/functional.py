@@ -62,7 +62,7 @@ class Moments:
 
 def moments(x: Tensor) -> Moments:
     """Per-channel moments of x = (N, C, *) over every dimension but the channel one."""
-    xa = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    xa = _accumulable(x)
     if xa.numel() == 0:  # an empty piece of a batch (a mask that selects nothing): no values, no moments
         zeros = xa.new_zeros(x.shape[1])
         return Moments(zeros.new_zeros(()), zeros, zeros.clone())
@@ -72,6 +72,11 @@ def moments(x: Tensor) -> Moments:
     n = x.numel() // x.shape[1]
     # new_full launches a fill on the device; torch.tensor(n, device=...) would be a blocking copy
     return Moments(mean.new_full((), n), mean, var * n)
+
+
+def _accumulable(x: Tensor) -> Tensor:
+    """x in a dtype its statistics are kept in: itself in float32 or float64, else a float32 copy."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def pieces_mean_var(pieces: Sequence[Tensor]) -> tuple[Tensor, Tensor, int]:
@@ -87,8 +92,7 @@ def pieces_mean_var(pieces: Sequence[Tensor]) -> tuple[Tensor, Tensor, int]:
     if len(pieces) == 1 or min(counts) != max(counts) or total < 2 or counts[0] == 0:
         m = combine_moments([moments(x) for x in pieces])
         return m.mean, m.var, total
-    stats = [torch.batch_norm_update_stats(x if x.dtype in (torch.float32, torch.float64) else x.float(), None, None,
-                                           0.0) for x in pieces]
+    stats = [torch.batch_norm_update_stats(_accumulable(x), None, None, 0.0) for x in pieces]
     spread, mean = torch.var_mean(torch.stack([m for m, _ in stats]), 0, correction=0)
     return mean, torch.stack([v for _, v in stats]).mean(0).add_(spread), total
 

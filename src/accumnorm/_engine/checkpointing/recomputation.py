@@ -145,12 +145,9 @@ class RegionFrame:
                                   "each saved tensor once")
         t, version = entry
         if t._version != version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: a "
-                f"tensor of shape {tuple(t.shape)} saved inside a region of the recompute schedule is at version "
-                f"{t._version}; expected version {version} instead (the region's forward changes it in place after "
-                "an op saved it, which whole-batch torch refuses too). Nothing was changed. Change a copy (.clone()) "
-                "instead")
+            raise _changed_in_place(
+                "a tensor", "saved inside", t, version, "the region's forward changes it in place after an op saved "
+                "it, which whole-batch torch refuses too", ". Nothing was changed. Change a copy (.clone()) instead")
         saved[-1] -= 1
         if saved[-1] == 0:
             self._recomputed.pop(task, None)
@@ -165,11 +162,9 @@ class RegionFrame:
             if t.requires_grad != requires_grad:
                 t = t.detach().requires_grad_(requires_grad)
             elif t is packed and t._version != version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an inplace "
-                    f"operation: an input of shape {tuple(t.shape)} of a region of the recompute schedule is at "
-                    f"version {t._version}; expected version {version} instead (changed in place after the region's "
-                    "forward, which whole-batch torch refuses too)")
+                raise _changed_in_place("an input", "of", t, version,
+                                        "changed in place after the region's forward, which whole-batch torch refuses "
+                                        "too")
             inputs.append(t)
         return inputs
 
@@ -243,14 +238,20 @@ def _check_handed_on(frame: RegionFrame, out: Any) -> None:
     that output after the step's backward's recomputation."""
     kept, version = frame.handed_on
     if kept._version != version:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: the "
-            f"output of shape {tuple(kept.shape)} of a region of the recompute schedule is at version "
-            f"{kept._version}; expected version {version} instead (changed in place after the next region took it, "
-            "which leaves nothing to check the region's recomputation against)")
+        raise _changed_in_place("the output", "of", kept, version, "changed in place after the next region took it, "
+                                "which leaves nothing to check the region's recomputation against")
     check_kept(tensor_leaves(out), kept, _OTHER_OUTPUTS)
     if frame.last_recomputation:
         frame.let_go()
+
+
+def _changed_in_place(what: str, where: str, t: Tensor, version: int, why: str, then: str = "") -> RuntimeError:
+    """autograd's error for a tensor it needs that changed in place since it was kept: which one (`what`, `where`
+    in a region), `why`, and what `then`."""
+    return RuntimeError(
+        f"one of the variables needed for gradient computation has been modified by an inplace operation: {what} of "
+        f"shape {tuple(t.shape)} {where} a region of the recompute schedule is at version {t._version}; expected "
+        f"version {version} instead ({why}){then}")
 
 
 def region_frame(pack: Any) -> RegionFrame | None:
