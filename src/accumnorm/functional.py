@@ -75,8 +75,13 @@ def moments(x: Tensor) -> Moments:
 
 
 def _accumulable(x: Tensor) -> Tensor:
-    """x in a dtype its statistics are kept in: itself in float32 or float64, else a float32 copy."""
-    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+    """x in a dtype its statistics are kept in (`_statistics_dtype`): itself, or a float32 copy."""
+    return x.to(_statistics_dtype(x.dtype))
+
+
+def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the statistics of a tensor of `dtype` are kept in: float32 or float64 as they are, else float32."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def pieces_mean_var(pieces: Sequence[Tensor]) -> tuple[Tensor, Tensor, int]:

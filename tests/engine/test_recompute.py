@@ -661,6 +661,32 @@ def test_a_met_call_in_regions_holds_no_more_than_its_input_and_one_more_tensor_
     assert peak < 2.5 * wide, (peak / wide)
 
 
+class _StatisticsKernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts torch's BatchNorm statistics kernel calls under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten.batch_norm_update_stats.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_a_met_call_in_regions_takes_its_statistics_in_one_kernel_call_whatever_the_micro_batches(k):
+    """A met call inside regions takes the whole batch's statistics with one call of torch's statistics kernel, on
+    its pieces concatenated, not one per micro-batch and a merge: on a net of small layers the merge's ops were
+    most of the call's cost. Each of `net`'s BatchNorm layers is called once, inside a region."""
+    model, batch = net(), data((1, 8, 8), 16, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=16 // k, schedule="recompute")
+    model.zero_grad(set_to_none=True)
+    with _StatisticsKernels() as kernels:
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=16 // k, schedule="recompute")
+    assert accumnorm.last_schedule(model).schedule == "recompute"
+    assert kernels.calls == sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 13
+
+
 # ---------------------------------------------------------------- "auto" and memory_budget
 
 

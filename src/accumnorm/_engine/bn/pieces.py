@@ -3,15 +3,16 @@
 `whole` runs a met call in the driver, outside every region: torch's `batch_norm` on the concatenated input
 saves the whole batch's input for its backward, so a checkpointed model would still keep every BatchNorm
 input of every micro-batch. When a piece comes from inside a `checkpoint(use_reentrant=False)` region, the
-call is instead one autograd.Function over the K pieces (`normalize_pieces`). Its forward is torch's own
-`native_batch_norm` on the whole batch (statistics, running-statistics update, output); it saves each piece
-with the saved-tensor hooks its micro-batch had at the call, which inside a region keep a placeholder of the
-region's checkpoint. The region's recomputation saves the piece again at the same place (`replay.CallReplay`
-with `keeps_input`), so the backward's unpack gets it back; the backward is BatchNorm's, with the forward's
-mean and inverse standard deviation, over the pieces one at a time (the sums over the whole batch, then each
-piece's input gradient), so that it makes no concatenated copy of the whole batch's input or gradient. Across the
-ranks of a process group, the same, with `ranks.normalize_across_ranks` run again, differentiably, in the
-backward on the recomputed input and the forward's statistics.
+call is instead one autograd.Function over the K pieces (`normalize_pieces`). Its forward takes the whole batch's
+statistics with torch's own statistics kernel on the pieces concatenated (a copy let go of before any output is
+made; the kernel also moves the running statistics, as torch's BatchNorm does), and normalizes each piece with them.
+It saves each piece with the saved-tensor hooks its micro-batch had at the call, which inside a region keep a
+placeholder of the region's checkpoint. The region's recomputation saves the piece again at the same place
+(`replay.CallReplay` with `keeps_input`), so the backward's unpack gets it back; the backward is BatchNorm's, with
+the forward's mean and inverse standard deviation, over the pieces one at a time (the sums over the whole batch,
+then each piece's input gradient), so that it makes no concatenated copy of the whole batch's input or gradient.
+Across the ranks of a process group, the same, with `ranks.normalize_across_ranks` run again, differentiably, in
+the backward on the recomputed input and the forward's statistics.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...functional import Moments, pieces_mean_var, update_running_stats_
+from ...functional import Moments, _accumulable, _statistics_dtype, moments, update_running_stats_
 from .normalize import NormArgs, channel_shape, input_gradient_terms, invstd, normalize_with, scale, sums_term
 from .ranks import normalize_across_ranks
 
@@ -29,7 +30,8 @@ __all__ = ["normalize_pieces"]
 
 
 class _Local:
-    """The whole batch's normalization on this process, piece by piece: no tensor of the whole batch is made."""
+    """The whole batch's normalization on this process, piece by piece: the statistics from one copy of the whole
+    batch's input, made and let go of before the outputs, and no other tensor of the whole batch."""
 
     def __init__(self, args: NormArgs, momentum: float | None) -> None:
         # Not the call: it holds micro-batch 0's input, which the backward must not find kept here.
@@ -39,19 +41,37 @@ class _Local:
         self.mean = self.invstd = None
 
     def forward(self, xs: list[Tensor], weight: Tensor | None, bias: Tensor | None) -> list[Tensor]:
-        """Each piece normalized with the whole batch's statistics (`pieces_mean_var`), the running statistics
-        updated once, as torch's would be. The variance normalized with is the moments' own, which a region's
-        recomputation reads again (`stats`)."""
-        mean, var, count = pieces_mean_var(xs)
-        m = self.moments = Moments(mean.new_full((), count), mean, var * count)
-        var = m.var
+        """Each piece normalized with the whole batch's statistics, the running statistics moved once, as torch's
+        would be. The variance normalized with is the moments' own, which a region's recomputation reads again
+        (`stats`)."""
+        count = sum(x.numel() // x.shape[1] for x in xs)
+        # none to move without a factor, or for an empty batch (torch's kernels leave them)
+        moving = self.running_mean is not None and self.momentum is not None and count > 0
+        moved = False
+        if count == 0:
+            m = moments(xs[0])
+        else:
+            mean, var, moved = self._statistics(xs, moving)
+            m = Moments(mean.new_full((), count), mean, var * count)
+        self.moments, mean, var = m, m.mean, m.var
         self.mean, self.invstd = mean, invstd(var, self.eps)
-        if self.running_mean is not None and self.momentum is not None and count > 0:  # none: torch leaves them
+        if moving and not moved:
             # Through .data, as torch's kernel updates them: their version counters stay, so that an earlier call
             # of the same layer, whose backward saved them (torch's batch_norm does), is not invalidated.
             update_running_stats_(self.running_mean.data, self.running_var.data, mean, m.unbiased_var, self.momentum)
-        self.running_mean = self.running_var = None  # updated once, in the forward
+        self.running_mean = self.running_var = None  # moved once, in the forward
         return [normalize_with(x, mean, var, weight, bias, self.eps) for x in xs]
+
+    def _statistics(self, xs: list[Tensor], moving: bool) -> tuple[Tensor, Tensor, bool]:
+        """The whole batch's mean and biased variance, and whether the running statistics moved: torch's statistics
+        kernel, once, on the pieces concatenated (one op, where merging each piece's statistics takes ten or more: on
+        a net of small layers, the call's main cost). It moves the running statistics too, where they are kept in
+        the dtype it takes the statistics in."""
+        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        rm, rv = self.running_mean, self.running_var
+        if moving and rv is not None and rm.dtype == rv.dtype == _statistics_dtype(x.dtype):
+            return *torch.batch_norm_update_stats(x, rm.data, rv.data, self.momentum), True
+        return *torch.batch_norm_update_stats(_accumulable(x), None, None, 0.0), False
 
     def stats(self) -> Moments:
         """The forward's statistics (for a recomputation's output)."""
