@@ -6,6 +6,7 @@ import copy
 import random
 import warnings
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 import accumnorm
+from accumnorm._engine.bn.pieces import normalize_pieces
 from accumnorm._engine.checkpointing import kept, recomputation
 from accumnorm._engine.checkpointing import regions as regions_module
 from accumnorm._engine.checkpointing.regions import Run, choose_regions
@@ -685,6 +687,18 @@ def test_a_met_call_in_regions_takes_its_statistics_in_one_kernel_call_whatever_
         accumnorm.backward(model, batch, ce_loss, micro_batch_size=16 // k, schedule="recompute")
     assert accumnorm.last_schedule(model).schedule == "recompute"
     assert kernels.calls == sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 13
+
+
+def test_a_half_precision_met_call_takes_its_float32_statistics_from_one_copy():
+    """bfloat16 pieces without running statistics: their float32 statistics read one float32 copy of the whole
+    batch, made by the concatenation itself (two bfloat16 inputs' worth), not a bfloat16 concatenation and a float32
+    copy of it besides; and the copy goes before the outputs are made."""
+    pieces = [torch.randn(8, 16, 32, 32).bfloat16() for _ in range(4)]
+    args = SimpleNamespace(weight=torch.ones(16), bias=torch.zeros(16), running_mean=None, running_var=None, eps=1e-5)
+    whole = sum(p.numel() * p.element_size() for p in pieces)
+    with torch.no_grad():
+        peak = live_peak(lambda: normalize_pieces(args, pieces, [()] * 4, 0.1))
+    assert 2 * whole <= peak < 2.5 * whole, peak / whole
 
 
 # ---------------------------------------------------------------- "auto" and memory_budget

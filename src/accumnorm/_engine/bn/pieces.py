@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...functional import Moments, _accumulable, _statistics_dtype, moments, update_running_stats_
+from ...functional import Moments, _statistics_dtype, moments, update_running_stats_
 from .normalize import NormArgs, channel_shape, input_gradient_terms, invstd, normalize_with, scale, sums_term
 from .ranks import normalize_across_ranks
 
@@ -66,12 +66,12 @@ class _Local:
         """The whole batch's mean and biased variance, and whether the running statistics moved: torch's statistics
         kernel, once, on the pieces concatenated (one op, where merging each piece's statistics takes ten or more: on
         a net of small layers, the call's main cost). It moves the running statistics too, where they are kept in
-        the dtype it takes the statistics in."""
-        x = xs[0] if len(xs) == 1 else torch.cat(xs)
+        the dtype it takes the statistics in (it takes a half-precision input with float32 ones)."""
+        dtype = _statistics_dtype(xs[0].dtype)
         rm, rv = self.running_mean, self.running_var
-        if moving and rv is not None and rm.dtype == rv.dtype == _statistics_dtype(x.dtype):
-            return *torch.batch_norm_update_stats(x, rm.data, rv.data, self.momentum), True
-        return *torch.batch_norm_update_stats(_accumulable(x), None, None, 0.0), False
+        if moving and rv is not None and rm.dtype == rv.dtype == dtype:
+            return *torch.batch_norm_update_stats(_concatenated(xs, xs[0].dtype), rm.data, rv.data, self.momentum), True
+        return *torch.batch_norm_update_stats(_concatenated(xs, dtype), None, None, 0.0), False
 
     def stats(self) -> Moments:
         """The forward's statistics (for a recomputation's output)."""
@@ -108,6 +108,16 @@ class _Local:
                            .to(x.dtype))
                 del x
         return dxs, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
+
+
+def _concatenated(xs: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The pieces as one tensor of `dtype`, in one copy (none for one piece in it already): a half-precision piece's
+    float32 statistics read a float32 copy, made by the concatenation itself."""
+    if len(xs) == 1:
+        return xs[0].to(dtype)
+    if xs[0].dtype == dtype:
+        return torch.cat(xs)  # in the pieces' memory format
+    return torch.cat(xs, out=xs[0].new_empty((sum(x.shape[0] for x in xs), *xs[0].shape[1:]), dtype=dtype))
 
 
 class _AcrossRanks:
