@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["Moments", "moments", "combine_moments", "pieces_mean_var", "update_running_stats_"]
+__all__ = ["Moments", "moments", "combine_moments", "update_running_stats_"]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class Moments:
 
 def moments(x: Tensor) -> Moments:
     """Per-channel moments of x = (N, C, *) over every dimension but the channel one."""
-    xa = _accumulable(x)
+    xa = x.to(_statistics_dtype(x.dtype))  # itself, or a float32 copy of a half-precision x
     if xa.numel() == 0:  # an empty piece of a batch (a mask that selects nothing): no values, no moments
         zeros = xa.new_zeros(x.shape[1])
         return Moments(zeros.new_zeros(()), zeros, zeros.clone())
@@ -74,32 +74,9 @@ def moments(x: Tensor) -> Moments:
     return Moments(mean.new_full((), n), mean, var * n)
 
 
-def _accumulable(x: Tensor) -> Tensor:
-    """x in a dtype its statistics are kept in (`_statistics_dtype`): itself, or a float32 copy."""
-    return x.to(_statistics_dtype(x.dtype))
-
-
 def _statistics_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the statistics of a tensor of `dtype` are kept in: float32 or float64 as they are, else float32."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
-
-
-def pieces_mean_var(pieces: Sequence[Tensor]) -> tuple[Tensor, Tensor, int]:
-    """Per-channel mean and biased variance of the pieces (each (N_k, C, *)) taken as one batch, and its number of
-    values per channel, without concatenating them: what BatchNorm over the whole batch normalizes with.
-
-    Pieces of one size, as a step's micro-batches are, merge by the law of total variance, the mean of the pieces'
-    variances plus the variance of their means: torch's statistics kernel on each piece and three ops, where
-    `combine_moments` takes about ten. Others (a short last piece, an empty one) merge through `combine_moments`.
-    """
-    counts = [x.numel() // max(x.shape[1], 1) for x in pieces]
-    total = sum(counts)
-    if len(pieces) == 1 or min(counts) != max(counts) or total < 2 or counts[0] == 0:
-        m = combine_moments([moments(x) for x in pieces])
-        return m.mean, m.var, total
-    stats = [torch.batch_norm_update_stats(_accumulable(x), None, None, 0.0) for x in pieces]
-    spread, mean = torch.var_mean(torch.stack([m for m, _ in stats]), 0, correction=0)
-    return mean, torch.stack([v for _, v in stats]).mean(0).add_(spread), total
 
 
 def combine_moments(parts: Moments | Sequence[Moments]) -> Moments:

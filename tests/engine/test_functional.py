@@ -1,12 +1,9 @@
 """The functional core against torch: moments that merge exactly, and BatchNorm's backward formula."""
-import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from accumnorm._engine.bn.normalize import GradSums, normalize
-from accumnorm.functional import Moments, combine_moments, moments, pieces_mean_var
+from accumnorm.functional import Moments, combine_moments, moments
 from helpers import rel_err
 
 
@@ -18,34 +15,6 @@ def test_moments_of_parts_combine_to_moments_of_the_whole():
     var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
     assert whole.count.item() == 11 * 4 * 3
     assert rel_err(whole.mean, mean) < 1e-12 and rel_err(whole.var, var) < 1e-12
-
-
-@settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.integers(0, 5), min_size=1, max_size=6), channels=st.integers(1, 4),
-       spatial=st.sampled_from([(), (3,), (2, 3)]), seed=st.integers(0, 2**16))
-def test_the_mean_and_variance_of_pieces_are_the_whole_batchs(sizes, channels, spatial, seed):
-    """Pieces of one size (the law of total variance) or not (Chan's merge), empty ones among them: torch's
-    statistics of the concatenated batch."""
-    torch.manual_seed(seed)
-    pieces = [torch.randn(n, channels, *spatial, dtype=torch.float64) * 3 + 5 for n in sizes]
-    x = torch.cat(pieces)
-    if x.numel() // channels < 2:
-        return
-    mean, var, count = pieces_mean_var(pieces)
-    want_var, want_mean = torch.var_mean(x, dim=[0, *range(2, x.dim())], correction=0)
-    assert count == x.numel() // channels
-    torch.testing.assert_close(mean, want_mean, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(var, want_var, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_mean_and_variance_of_reduced_precision_pieces_are_float32(dtype):
-    pieces = list((torch.randn(16, 6, 5) * 2 + 3).to(dtype).split(4))
-    mean, var, _ = pieces_mean_var(pieces)
-    want_var, want_mean = torch.var_mean(torch.cat(pieces).float(), dim=(0, 2), correction=0)
-    assert mean.dtype == var.dtype == torch.float32
-    torch.testing.assert_close(mean, want_mean)
-    torch.testing.assert_close(var, want_var)
 
 
 def test_moments_stay_accurate_in_float32_with_a_large_mean():
