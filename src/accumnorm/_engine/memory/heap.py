@@ -17,7 +17,9 @@ size at each micro-batch's turn (passes: after each micro-batch's pass), before 
 and at each saved tensor a lockstep's backward unpacks (`saved_tensor_hooks`), and trims only once the step has
 added more than four fifths of its budget (the
 rest is room for what a turn adds before the next check): each trim hands pages back that the next requests fault
-in again, a cost paid only where the budget needs it.
+in again, a cost paid only where the budget needs it. Where "auto" runs a schedule by an earlier step's measurement
+of what it needs, and that is at most a sixteenth of the budget, the step runs without the checks, which would never
+trim there (`ResidentBound.waived`).
 
 Why not torch's way: on CUDA the caching allocator frees its cached blocks and retries before it runs out, and
 the budget counts allocated bytes there (`torch.cuda.max_memory_allocated`), so nothing is done on CUDA. Where
@@ -28,8 +30,8 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -41,6 +43,10 @@ from .store import alias
 __all__ = ["ResidentBound", "release_free_memory"]
 
 _TRIGGER = 0.8  # of the budget, the step's resident growth past which `ResidentBound` trims
+# A schedule measured to need at most this share of the budget runs without the bound's checks (`waived`): the
+# resident growth would reach the trigger only through free pages over 12 times its live tensors, where the most
+# measured (MONAI's UNet under recompute, docs/schedules.md) is 8 times.
+_FAR = 1 / 16
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -106,6 +112,18 @@ class ResidentBound:
             return unpack(packed)
 
         return torch.autograd.graph.saved_tensors_hooks(untraced.wrap(pack), untraced.wrap(checked))
+
+    @contextmanager
+    def waived(self, need: int | None) -> Iterator[None]:
+        """No checks in the block if it runs a schedule measured to need `need` bytes (None: not measured) at most
+        `_FAR` of the budget: far below it, where they would never trim. Their hooks run at every tensor autograd
+        saves, and on a model of small layers cost the step a sixth of its time."""
+        was = self.active
+        self.active = was and (need is None or need > _FAR * self.budget)
+        try:
+            yield
+        finally:
+            self.active = was
 
     def close(self) -> None:
         if self.fd is not None:
