@@ -207,6 +207,16 @@ def test_recomputes_bound_reads_its_resident_memory_at_each_saved_tensor_its_bac
     assert backward_reads[0] >= unpacks[0], (backward_reads, unpacks)
 
 
+def _first_step_figure(ref: torch.nn.Module, ours: torch.nn.Module, batch) -> int:
+    """A first, metered "auto" step of `ours` (a copy of `ref`), which measures layerwise's figure, then `ours` as
+    `ref` again with no gradient: what the figure says the next step needs, gradients included."""
+    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, memory_budget=1 << 30)
+    for p in ours.parameters():
+        p.grad = None
+    ours.load_state_dict(ref.state_dict())
+    return accumnorm.last_schedule(ours).need
+
+
 @pytest.mark.skipif(heap._TRIM is None, reason="the C library is not glibc: there is no malloc_trim")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the resident size is read from Linux's /proc")
 @pytest.mark.parametrize("metered", [True, False], ids=["metered step", "step after a figure"])
@@ -236,12 +246,8 @@ def test_layerwises_bound_reads_its_resident_memory_at_each_saved_tensor_its_bac
     ours = copy.deepcopy(ref)
     batch = data((1, 12, 12), 8, torch.float64)
     budget = 1 << 30
-    if not metered:  # the first step measures layerwise's figure; the next runs by it, without a meter
-        accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
-        budget = 4 * accumnorm.last_schedule(ours).need  # near enough for the checks (`ResidentBound.waived`)
-        for p in ours.parameters():
-            p.grad = None
-        ours.load_state_dict(ref.state_dict())
+    if not metered:  # the next step runs by the first's figure, without a meter, near enough to keep the checks
+        budget = 4 * _first_step_figure(ref, ours, batch)
     monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", counting)
     exact_vs_whole_batch(ref, ours, batch, 2, 1e-9, memory_budget=budget)
     assert accumnorm.last_schedule(ours).schedule == "layerwise"
@@ -270,16 +276,12 @@ def test_a_step_run_by_a_figure_far_below_its_budget_reads_no_resident_memory_an
     ours[3].register_forward_pre_hook(  # whether saved-tensor hooks are on the thread, at the first block
         lambda m, args: hooked.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None))
     batch = data((1, 12, 12), 8, torch.float64)
-    accumnorm.backward(ours, batch, ce_loss, micro_batch_size=2, memory_budget=1 << 30)  # measures the figure
-    need = accumnorm.last_schedule(ours).need
-    for p in ours.parameters():
-        p.grad = None
-    ours.load_state_dict(ref.state_dict())
+    need = _first_step_figure(ref, ours, batch)
     monkeypatch.setattr(heap.ResidentBound, "_resident", resident)
     hooked.clear()
     exact_vs_whole_batch(ref, ours, batch, 2, 1e-9, memory_budget=int(need / share))
     assert accumnorm.last_schedule(ours).schedule == "layerwise"
-    assert hooked and not any(hooked) if far else all(hooked), hooked
+    assert hooked and (not any(hooked) if far else all(hooked)), hooked
     assert (reads[0] <= 1) == far, reads  # one reading when the bound is made, before the step knows its figure
 
 
