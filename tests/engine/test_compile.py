@@ -134,6 +134,17 @@ def test_every_compiled_form_trains_like_whole_batch_eager_torch(form, schedule_
     assert_state_close(net.state_dict(), oracle.state_dict(), 1e-10)
 
 
+@pytest.mark.parametrize("schedule", ["layerwise", "passes"])
+def test_last_schedule_answers_alike_for_a_model_and_its_compiled_wrapper(schedule):
+    torch.manual_seed(0)
+    net = Net().double()
+    wrapper = torch.compile(net, backend="aot_eager")
+    train_accumnorm(wrapper, net.parameters(), batches()[:1], ce, schedule=schedule)
+    choice = accumnorm.last_schedule(net)
+    assert choice is not None and choice.schedule == schedule
+    assert accumnorm.last_schedule(wrapper) is choice
+
+
 @pytest.mark.parametrize("form", ["compile", "function"])
 def test_a_whole_batch_loss_with_a_compiled_forward_trains_like_whole_batch_eager_torch(form, schedule_any):
     torch.manual_seed(0)

@@ -36,7 +36,6 @@ import torch.nn as nn
 from torch import Tensor
 from torch.nn.parameter import is_lazy
 
-from ..._dist import unwrap_ddp
 from ..safety import untraced
 from .objects import object_bytes
 from .store import Store, alias, python_tensor
@@ -195,19 +194,32 @@ def stopped_figures(model: nn.Module) -> set[tuple]:
     return _STOPPED[model]
 
 
+def _trained(model: nn.Module) -> nn.Module:
+    """The module a step trains: `model` without its DDP and `torch.compile` wrappers, so that `last_schedule` answers
+    for the model and for each wrapper of it alike."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif type(model).__name__ == "OptimizedModule":
+            model = model._orig_mod
+        else:
+            return model
+
+
 def record_choice(model: nn.Module, choice: Choice) -> None:
-    _CHOICES[model] = choice
+    _CHOICES[_trained(model)] = choice
 
 
 def last_schedule(model: nn.Module) -> Choice | None:
-    """The exact schedule `accumnorm.backward` last ran on `model`, and why (None before any exact step).
+    """The exact schedule `accumnorm.backward` last ran on `model`, and why (None before any exact step). A step on a
+    DDP or `torch.compile` wrapper of `model` counts as a step on `model`, and the other way round.
 
     Example::
 
         accumnorm.backward(model, batch, loss_fn, micro_batch_size=4)
         accumnorm.last_schedule(model)   # Choice(schedule='layerwise', reason='it fits the memory budget', ...)
     """
-    return _CHOICES.get(unwrap_ddp(model, None)[0])
+    return _CHOICES.get(_trained(model))
 
 
 class Meter:
