@@ -25,6 +25,21 @@ EXACT_SCHEDULES = ("layerwise", "recompute", "segments", "passes")
 STEP_SCHEDULES = (*EXACT_SCHEDULES, "auto")  # every value of `schedule` a step takes
 
 
+# The schedule's options the Trainer and every integration pass on to accumnorm.backward: `assert_ran_with` checks
+# that a step ran with them, from what last_schedule says of it
+SCHEDULE_OPTIONS = {"keep_every": dict(schedule="segments", keep_every=2), "memory_budget": dict(memory_budget=1 << 30)}
+
+
+def assert_ran_with(model: nn.Module, options: dict) -> None:
+    """The last exact step on `model` ran with `options`, a value of SCHEDULE_OPTIONS."""
+    choice = accumnorm.last_schedule(model)
+    assert choice is not None
+    if "keep_every" in options:
+        assert (choice.schedule, choice.settings) == (options["schedule"], {"keep_every": options["keep_every"]})
+    if "memory_budget" in options:
+        assert choice.budget == options["memory_budget"]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     """max |a - b| / max(max |b|, floor): relative error against the oracle b."""
     a, b = a.detach().double(), b.detach().double()

@@ -247,7 +247,9 @@ def describe(trainer: Any, batch: Any, loader: Iterable, **fit_args: Any) -> dic
     per_rank = loader_batch_size(loader) or _dist.num_samples(batch)
     config = {
         "micro_batch_size": t.micro_batch_size, **sizes(t, per_rank), "world_size": t.world_size,
-        "bn": t.bn, "amp": t.amp, "max_grad_norm": t.max_grad_norm, "compile": t.compile,
+        "bn": t.bn, "amp": t.amp, "max_grad_norm": t.max_grad_norm, "compile": t.compile, "schedule": t.schedule,
+        "store": None if t.store is None else str(t.store), "memory_budget": t.memory_budget,
+        "keep_every": t.keep_every,
         "backend": dist.get_backend(t.process_group) if t.process_group is not None else None,
         "device": str(t.device), "start_step": t.step_count, "batch_in_epoch": t.batch_in_epoch, **fit_args,
         "batches_per_epoch": len(loader) if hasattr(loader, "__len__") else None,

@@ -25,8 +25,9 @@ from torch.distributed import ProcessGroup
 from . import _dist
 from ._checkpoint import check_fits, get_rng, read_checkpoint, set_rng
 from ._dist import unwrap_ddp
-from ._engine.args import BNMode, Schedule, check_args, check_compile_options
+from ._engine.args import BNMode, Schedule, check_args, check_compile_options, check_keep_every
 from ._engine.backward import backward
+from ._engine.memory.budget import check_budget
 from ._engine.memory.store import resolve_store
 from ._files import atomic_open
 from ._fit import FitLoop, check_fit_args, check_log_dir, train_mode
@@ -43,7 +44,8 @@ class Trainer:
     all micro-batches of a step; a step with inf/nan gradients is skipped, the scheduler's too).
     ``max_grad_norm`` clips the total norm of the unscaled gradient. ``process_group`` defaults to the
     model's own when it is wrapped in DistributedDataParallel, else to the default group when
-    torch.distributed is initialized. ``bn``, ``schedule`` and ``store`` go to ``accumnorm.backward``.
+    torch.distributed is initialized. ``bn``, ``schedule``, ``store``, ``memory_budget`` and ``keep_every`` go to
+    ``accumnorm.backward``.
 
     Args:
         compile: None, or the keyword arguments of ``torch.compile`` for the model, e.g. ``{"backend": "aot_eager"}``
@@ -59,12 +61,15 @@ class Trainer:
                  bn: BNMode = "exact", scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  max_grad_norm: float | None = None, amp: Literal["bf16", "fp16"] | None = None,
                  process_group: ProcessGroup | None = None, schedule: Schedule = "auto",
-                 store: str | torch.device | None = None, compile: dict[str, Any] | None = None) -> None:
+                 store: str | torch.device | None = None, memory_budget: int | None = None,
+                 keep_every: int | None = None, compile: dict[str, Any] | None = None) -> None:
         # backward all-reduces gradients itself; DDP's own hooks would reduce them a second time
         model, process_group = unwrap_ddp(model, process_group)
         check_compile_options(compile, bn)
         check_args(model, loss_fn, micro_batch_size, bn, schedule)  # as accumnorm.backward would at every step
         resolve_store(store)
+        check_budget(memory_budget)
+        check_keep_every(keep_every, schedule)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if next(model.parameters(), None) is None:
@@ -93,6 +98,7 @@ class Trainer:
         self.model, self.optimizer, self.loss_fn, self.scheduler = model, optimizer, loss_fn, scheduler
         self.micro_batch_size, self.bn, self.max_grad_norm, self.amp = micro_batch_size, bn, max_grad_norm, amp
         self.process_group, self.schedule, self.store, self.compile = process_group, schedule, store, compile
+        self.memory_budget, self.keep_every = memory_budget, keep_every
         self.rank, self.world_size = _dist.rank_and_size(process_group)
         self.scaler = torch.amp.GradScaler(self.device.type) if amp == "fp16" else None
         self.autocast = (functools.partial(torch.autocast, self.device.type, dtype=AMP_DTYPES[amp])
@@ -135,7 +141,7 @@ class Trainer:
         with gradients_set_aside(stepped_tensors(self.model, [self.optimizer]), keep=True), self.autocast():
             return backward(self.model, batch, self.loss_fn, micro_batch_size=self.micro_batch_size, bn=self.bn,
                             schedule=self.schedule, store=self.store, process_group=self.process_group,
-                            grad_scaler=self.scaler)
+                            grad_scaler=self.scaler, memory_budget=self.memory_budget, keep_every=self.keep_every)
 
     # ------------------------------------------------------------------ the loop
     def fit(self, loader: Iterable, *, steps: int | None = None, epochs: int | None = None,
@@ -255,8 +261,9 @@ class Trainer:
     def load(cls, path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              loss_fn: Callable, **kwargs: Any) -> Trainer:
         """A trainer resumed from ``save(path)``, or from the checkpoint.pt of a run's log directory ``path``:
-        micro_batch_size, bn, max_grad_norm and amp default to the checkpoint's; pass scheduler=, process_group=
-        and compile= as when it was made. Its ``fit`` may log into the checkpoint's directory again.
+        micro_batch_size, bn, max_grad_norm and amp default to the checkpoint's; pass scheduler=, process_group=,
+        compile= and the schedule's options (schedule=, store=, memory_budget=, keep_every=) as when it was made.
+        Its ``fit`` may log into the checkpoint's directory again.
 
         Refuses, before the model or optimizer changes, with a ValueError naming the file: a file that is
         truncated or corrupt, one that is not an accumnorm checkpoint, and a checkpoint of another model

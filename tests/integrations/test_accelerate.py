@@ -17,7 +17,9 @@ from accelerate.state import AcceleratorState
 import accumnorm
 from accumnorm.integrations.accelerate import ExactAccumulator
 from helpers import (
+    SCHEDULE_OPTIONS,
     accelerate_steps,
+    assert_ran_with,
     assert_ranks_ended_well,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
@@ -154,6 +156,10 @@ MISUSES = {  # name: (Accelerator arguments, which optimizer, ExactAccumulator a
     "bn": ({}, "prepared", dict(bn="exactly"), ValueError, "bn must be one of ('exact', 'micro'), got 'exactly'"),
     "schedule": ({}, "prepared", dict(schedule="fast"), ValueError, "schedule must be one of ('auto', 'layerwise'"),
     "store": ({}, "prepared", dict(store=3), TypeError, "store must be None, 'cpu' or a torch.device, got int 3"),
+    "memory_budget": ({}, "prepared", dict(memory_budget=1.5e9), TypeError,
+                      "memory_budget must be a number of bytes (an int) or None, got float 1500000000.0"),
+    "keep_every": ({}, "prepared", dict(keep_every=2), ValueError,
+                   "keep_every is the segments schedule's setting, but schedule is 'auto'"),
     "loss_fn": ({}, "prepared", dict(loss_fn="ce"), TypeError, "loss_fn must be callable as loss_fn(model, micro_b"),
 }
 
@@ -165,6 +171,16 @@ def test_misuse_raises_at_set_up(misuse):
     model, opt = _set_up(accelerator, optimizer)
     with pytest.raises(error, match=re.escape(message)):
         ExactAccumulator(accelerator, model, opt, **{"loss_fn": ce_loss, "micro_batch_size": 3, **args})
+
+
+@pytest.mark.parametrize("option", SCHEDULE_OPTIONS)
+def test_the_schedules_options_reach_the_step(option):
+    options = SCHEDULE_OPTIONS[option]
+    accelerator = Accelerator(cpu=True)
+    model, opt = _set_up(accelerator, "prepared")
+    ExactAccumulator(accelerator, model, opt, ce_loss, micro_batch_size=3, **options).backward(
+        tiny_dataset(8, torch.float32)[:])
+    assert_ran_with(model, options)
 
 
 def test_a_batch_that_cannot_be_split_changes_nothing():

@@ -16,6 +16,8 @@ from lightning.pytorch.plugins import MixedPrecision
 import accumnorm
 from accumnorm.integrations.lightning import ExactAccumulation
 from helpers import (
+    SCHEDULE_OPTIONS,
+    assert_ran_with,
     assert_ranks_ended_well,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
@@ -332,12 +334,24 @@ def test_the_mixin_after_lightning_module_in_the_bases_is_refused_when_the_class
         type("Late", (pl.LightningModule, ExactAccumulation), {})
 
 
+@pytest.mark.parametrize("option", SCHEDULE_OPTIONS)
+def test_the_schedules_options_reach_the_step(option):
+    options = SCHEDULE_OPTIONS[option]
+    model = lit_classifier()(tiny_bn(torch.float32), micro_batch_size=3, **options)
+    trainer(max_steps=1).fit(model, torch.utils.data.DataLoader(tiny_dataset(8, torch.float32), batch_size=8))
+    assert_ran_with(model, options)
+
+
 @pytest.mark.parametrize("options, error, message", [
     (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
     (dict(micro_batch_size=2, bn="exactly"), ValueError, "bn must be one of ('exact', 'micro'), got 'exactly'"),
     (dict(micro_batch_size=2, schedule="fast"), ValueError,
      "schedule must be one of ('auto', 'layerwise', 'recompute', 'segments', 'passes')"),
     (dict(micro_batch_size=2, store=3), TypeError, "store must be None, 'cpu' or a torch.device, got int 3"),
+    (dict(micro_batch_size=2, memory_budget=-1), ValueError,
+     "memory_budget must be a positive number of bytes, got -1"),
+    (dict(micro_batch_size=2, schedule="passes", keep_every=2), ValueError,
+     "keep_every is the segments schedule's setting, but schedule is 'passes'"),
 ])
 def test_bad_arguments_fail_when_the_module_is_made(options, error, message):
     with pytest.raises(error, match=re.escape(message)):

@@ -15,6 +15,8 @@ from mmengine.runner import Runner
 
 import accumnorm.integrations.mmengine  # noqa: F401  (registers the loops, as custom_imports does)
 from helpers import (
+    SCHEDULE_OPTIONS,
+    assert_ran_with,
     assert_ranks_ended_well,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
@@ -138,6 +140,16 @@ def test_a_count_normalized_loss_is_exact_through_the_whole_batch_form(tmp_path)
         assert_state_close(per_micro_batch.net.state_dict(), oracle.state_dict(), 1e-3)
 
 
+@pytest.mark.parametrize("whole_batch_loss", [False, True])
+@pytest.mark.parametrize("option", SCHEDULE_OPTIONS)
+def test_the_schedules_options_reach_the_step(option, whole_batch_loss, tmp_path):
+    options = SCHEDULE_OPTIONS[option]
+    model = mm_classifier()(tiny_bn())
+    runner(tmp_path, model, mm_samples(tiny_dataset(8)), max_epochs=1, whole_batch_loss=whole_batch_loss,
+           **options).train()
+    assert_ran_with(model, options)
+
+
 @pytest.mark.parametrize("micro_batch_size", [1, 3])
 def test_data_samples_collated_as_one_tensor_reach_loss_by_feat_as_the_whole_batchs(micro_batch_size, tmp_path):
     """default_collate stacks data samples that are tensors (labels) into one: loss_by_feat gets the whole batch's,
@@ -242,6 +254,8 @@ MISUSES = {  # name: (runner arguments, the error, its words)
     "whole_batch_loss without loss_by_feat": (dict(model="no loss_by_feat", whole_batch_loss=True), ValueError,
                                               "loss_by_feat(outputs, data_samples), which Plain does not define"),
     "micro_batch_size": (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
+    "memory_budget": (dict(memory_budget=2.0 ** 30), TypeError, "memory_budget must be a number of bytes (an int)"),
+    "keep_every": (dict(schedule="segments", keep_every=-1), ValueError, "keep_every must be >= 1, got -1"),
     "compile fullgraph": (dict(cfg=dict(compile=dict(backend="aot_eager", fullgraph=True))), ValueError,
                           "the runner's compile={'fullgraph': True} makes each graph break an error, but bn='exact'"),
 }

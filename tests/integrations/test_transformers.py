@@ -26,6 +26,8 @@ from transformers import (  # noqa: E402
 
 from accumnorm.integrations.transformers import ExactTrainer  # noqa: E402
 from helpers import (  # noqa: E402
+    SCHEDULE_OPTIONS,
+    assert_ran_with,
     assert_ranks_ended_well,
     assert_ranks_trained_like_whole_batch,
     assert_state_close,
@@ -362,6 +364,14 @@ def test_an_override_that_transforms_training_steps_inputs_is_refused_before_any
     assert_state_close(model.state_dict(), before, 0.0)
 
 
+@pytest.mark.parametrize("option", SCHEDULE_OPTIONS)
+def test_the_schedules_options_reach_the_step(option, tmp_path):
+    options = SCHEDULE_OPTIONS[option]
+    model = KeywordClassifier(tiny_bn())
+    train(ExactTrainer, model, arguments(tmp_path, 3, 2, max_steps=1), keyword_samples(tiny_dataset(8)), **options)
+    assert_ran_with(model, options)
+
+
 def test_misuse_is_refused_when_the_trainer_is_made(tmp_path, monkeypatch):
     data = keyword_samples(tiny_dataset(8))
     with monkeypatch.context() as m:  # as under torchrun with 2 processes
@@ -377,6 +387,12 @@ def test_misuse_is_refused_when_the_trainer_is_made(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=re.escape("schedule must be one of ('auto', 'layerwise'")):
         ExactTrainer(model=KeywordClassifier(tiny_bn()), args=arguments(tmp_path, 3, 2), train_dataset=data,
                      schedule="fast")
+    with pytest.raises(TypeError, match=re.escape("memory_budget must be a number of bytes (an int) or None, got str")):
+        ExactTrainer(model=KeywordClassifier(tiny_bn()), args=arguments(tmp_path, 3, 2), train_dataset=data,
+                     memory_budget="8GB")
+    with pytest.raises(ValueError, match=re.escape("keep_every is the segments schedule's setting, but schedule is")):
+        ExactTrainer(model=KeywordClassifier(tiny_bn()), args=arguments(tmp_path, 3, 2), train_dataset=data,
+                     schedule="recompute", keep_every=3)
 
 
 @pytest.mark.realtime

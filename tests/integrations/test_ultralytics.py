@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import SCHEDULE_OPTIONS, assert_ran_with, rel_err
 
 os.environ.setdefault("YOLO_OFFLINE", "1")  # else ultralytics looks up DNS names when it is imported
 pytest.importorskip("ultralytics")
@@ -100,10 +100,28 @@ def test_copies_and_checkpoints_are_ultralytics_own_model(one_thread):
     assert type(exact_loss(model, micro_batch_size=4)) is type(model) and model._accumnorm.micro_batch_size == 4
 
 
+@pytest.mark.parametrize("option", SCHEDULE_OPTIONS)
+def test_the_schedules_options_reach_the_step(option, tmp_path, one_thread):
+    """Through exact_loss, and through exact_trainer's model."""
+    options = SCHEDULE_OPTIONS[option]
+    model = exact_loss(_yolo(), micro_batch_size=2, **options)
+    model(_batch())
+    assert_ran_with(model, options)
+    trainer = exact_trainer(2, **options)(overrides=dict(
+        model="yolov8n.yaml", data=str(_dataset(tmp_path / "data")), imgsz=64, device="cpu", workers=0,
+        project=str(tmp_path / "runs"), verbose=False))
+    model = trainer.get_model(cfg="yolov8n.yaml", verbose=False).train()
+    model.args = trainer.args  # the loss gains, as the trainer sets them
+    model(_batch())
+    assert_ran_with(model, options)
+
+
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
     (dict(micro_batch_size=2, bn="whole"), ValueError, "bn must be one of"),
     (dict(micro_batch_size=2, schedule="fast"), ValueError, "schedule must be one of"),
+    (dict(micro_batch_size=2, memory_budget=True), TypeError, "memory_budget must be a number of bytes"),
+    (dict(micro_batch_size=2, keep_every=2), ValueError, "keep_every is the segments schedule's setting"),
 ])
 def test_bad_options_are_refused_before_anything_changes(kwargs, error, message):
     model = _yolo()

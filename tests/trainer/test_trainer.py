@@ -23,7 +23,16 @@ import torch.nn.functional as F
 
 import accumnorm
 from accumnorm import Trainer
-from helpers import assert_state_close, ce_loss, child_env, rel_err, sgd_halving, train_whole_batch
+from helpers import (
+    SCHEDULE_OPTIONS,
+    assert_ran_with,
+    assert_state_close,
+    ce_loss,
+    child_env,
+    rel_err,
+    sgd_halving,
+    train_whole_batch,
+)
 from models import NoisyDigits, TinyUnrolled, small_net, tiny_dataset, vgg
 from programs.trainer_resume import KILL_IN_STEP, RESUME_STEPS
 
@@ -105,6 +114,45 @@ def test_a_compiled_model_trains_like_whole_batch_pytorch_and_checkpoints_its_un
                           compile={"backend": "aot_eager"})
     assert loaded.step(data[0]) == trainer.step(data[0])
     assert_state_close(resumed.state_dict(), model.state_dict(), 0.0)
+
+
+@pytest.mark.parametrize("option", SCHEDULE_OPTIONS)
+def test_the_schedules_options_reach_every_step_a_resumed_one_and_config_json(option, tmp_path):
+    """memory_budget and keep_every go to each step, as schedule does: the steps run with them and stay whole-batch
+    PyTorch's; config.json says them; a checkpoint does not keep them (they are the machine's), load takes them."""
+    options = SCHEDULE_OPTIONS[option]
+    x, y = tiny_dataset(16)[:]
+    data = [(x[:8], y[:8]), (x[8:], y[8:])]
+    model = TinyUnrolled()
+    optimizer, scheduler = sgd_halving(model.parameters())
+    trainer = Trainer(model, optimizer, ce_loss, micro_batch_size=3, scheduler=scheduler, **options)
+    trainer.fit(data, steps=1, log=tmp_path)
+    assert_ran_with(model, options)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert {k: config[k] for k in options} == options
+    resumed = TinyUnrolled()
+    optimizer, scheduler = sgd_halving(resumed.parameters())
+    loaded = Trainer.load(tmp_path, resumed, optimizer, ce_loss, scheduler=scheduler, **options)
+    assert loaded.step(data[1]) == trainer.step(data[1])
+    assert_ran_with(resumed, options)
+    oracle = TinyUnrolled()
+    train_whole_batch(oracle, data)
+    assert_state_close(model.state_dict(), oracle.state_dict(), 1e-9)
+    assert_state_close(resumed.state_dict(), model.state_dict(), 0.0)
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(memory_budget=1.5e9), TypeError, "memory_budget must be a number of bytes (an int) or None, got float"),
+    (dict(memory_budget=0), ValueError, "memory_budget must be a positive number of bytes, got 0"),
+    (dict(keep_every=2), ValueError, "keep_every is the segments schedule's setting, but schedule is 'auto'"),
+    (dict(schedule="segments", keep_every=0), ValueError, "keep_every must be >= 1, got 0"),
+])
+def test_bad_schedule_options_are_refused_when_the_trainer_is_made(options, error, message):
+    model = TinyUnrolled()
+    with pytest.raises(error, match=re.escape(message)):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), ce_loss, micro_batch_size=2,
+                compile={"backend": "aot_eager"}, **options)
+    assert all(vars(m).get("_compiled_call_impl") is None for m in model.modules())
 
 
 def test_a_compile_that_is_not_torch_compiles_keywords_is_refused_and_changes_nothing(tmp_path):

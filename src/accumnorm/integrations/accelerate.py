@@ -65,7 +65,7 @@ class ExactAccumulator:
             batch of one optimizer step, and its last micro-batch may be smaller.
         bn: "exact" (every BatchNorm call sees the whole batch, across processes) or "micro"
             (per-micro-batch statistics: plain accumulation, the baseline).
-        schedule, store: how exact mode runs, as for `accumnorm.backward`.
+        schedule, store, memory_budget, keep_every: how exact mode runs, as for `accumnorm.backward`.
 
     Shape:
         - batch: a Tensor or a tuple/list/dict of Tensors sharing dim 0 (the samples), as
@@ -86,9 +86,10 @@ class ExactAccumulator:
 
     def __init__(self, accelerator: Accelerator, model: nn.Module, optimizer: AcceleratedOptimizer, loss_fn: LossFn,
                  *, micro_batch_size: int, bn: BNMode = "exact", schedule: Schedule = "auto",
-                 store: str | torch.device | None = None) -> None:
+                 store: str | torch.device | None = None, memory_budget: int | None = None,
+                 keep_every: int | None = None) -> None:
         self.options = backward_options(model, loss_fn, micro_batch_size=micro_batch_size, bn=bn, schedule=schedule,
-                                        store=store)
+                                        store=store, memory_budget=memory_budget, keep_every=keep_every)
         steps = accelerator.gradient_accumulation_steps
         if steps != 1:
             raise ValueError(

@@ -78,7 +78,7 @@ class ExactAccumulation:
             batch of one optimizer step, and its last micro-batch may be smaller.
         bn: "exact" (every BatchNorm call sees the whole batch, across ranks under DDP) or "micro"
             (per-micro-batch statistics: plain accumulation, the baseline).
-        schedule, store: how exact mode runs, as for `accumnorm.backward`.
+        schedule, store, memory_budget, keep_every: how exact mode runs, as for `accumnorm.backward`.
 
     Subclasses implement `training_loss(batch)`, the mean loss over a micro-batch (what their
     `training_step` used to compute), and put the mixin before LightningModule in their bases.
@@ -112,14 +112,16 @@ class ExactAccumulation:
                             f"{cls.__name__}(ExactAccumulation, L.LightningModule)")
 
     def __init__(self, *args: Any, micro_batch_size: int, bn: BNMode = "exact", schedule: Schedule = "auto",
-                 store: str | torch.device | None = None, **kwargs: Any) -> None:
+                 store: str | torch.device | None = None, memory_budget: int | None = None,
+                 keep_every: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self, pl.LightningModule):
             raise TypeError(f"ExactAccumulation is a mixin for lightning's LightningModule, got {type(self).__name__}; "
                             f"write class {type(self).__name__}(ExactAccumulation, L.LightningModule)")
         # One attribute, not `self.bn` and the like: LightningModules often name a BatchNorm layer so.
         self.accumnorm_options = backward_options(self, _micro_batch_loss, micro_batch_size=micro_batch_size, bn=bn,
-                                                  schedule=schedule, store=store)
+                                                  schedule=schedule, store=store, memory_budget=memory_budget,
+                                                  keep_every=keep_every)
         self._accumnorm_group: ProcessGroup | None = None
         self._accumnorm_ready = False  # set by on_fit_start's checks
         self._accumnorm_has_grad = False  # training_step made this step's gradient: backward must not be missed

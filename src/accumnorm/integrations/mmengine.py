@@ -67,10 +67,11 @@ class _ExactTrainStep:
 
     def __init__(self, runner: Any, dataloader: Any, *, micro_batch_size: int, whole_batch_loss: bool = False,
                  bn: BNMode = "exact", schedule: Schedule = "auto", store: str | torch.device | None = None,
-                 **kwargs: Any) -> None:
+                 memory_budget: int | None = None, keep_every: int | None = None, **kwargs: Any) -> None:
         model = runner.model.module if is_model_wrapper(runner.model) else runner.model
         self.accumnorm_options = backward_options(model, _placeholder_loss, micro_batch_size=micro_batch_size, bn=bn,
-                                                  schedule=schedule, store=store)
+                                                  schedule=schedule, store=store, memory_budget=memory_budget,
+                                                  keep_every=keep_every)
         self.whole_batch_loss = whole_batch_loss
         super().__init__(runner, dataloader, **kwargs)  # type: ignore[call-arg]
 
@@ -160,9 +161,8 @@ def _whole_batch_step(model: nn.Module, data_batch: dict[str, Any], optim_wrappe
         return loss
 
     batch = {**data_batch, _ORDER: list(range(_samples(data_batch)))}
-    loss = accumnorm.backward(model, batch, micro_batch_size=options["micro_batch_size"], forward_fn=forward_fn,
-                              batch_loss_fn=batch_loss_fn, bn=options["bn"],
-                              schedule=options["schedule"], store=options["store"], grad_scaler=scaler)
+    loss = accumnorm.backward(model, batch, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn, grad_scaler=scaler,
+                              **options)
     return loss, log["vars"]
 
 
@@ -240,7 +240,8 @@ class ExactEpochBasedTrainLoop(_ExactTrainStep, EpochBasedTrainLoop):
             optimizer step, and its last micro-batch may be smaller.
         whole_batch_loss: take the loss once over the whole batch's outputs with the model's
             `loss_by_feat(outputs, data_samples)` (for losses divided by a count over the batch). Default: False.
-        bn, schedule, store: as for `accumnorm.backward`. Default: "exact", "auto", None.
+        bn, schedule, store, memory_budget, keep_every: as for `accumnorm.backward`. Default: "exact", "auto", None,
+            None, None.
 
     Examples::
 
@@ -254,7 +255,8 @@ class ExactIterBasedTrainLoop(_ExactTrainStep, IterBasedTrainLoop):
 
     Args:
         runner, dataloader, max_iters, val_begin, val_interval, dynamic_intervals: IterBasedTrainLoop's.
-        micro_batch_size, whole_batch_loss, bn, schedule, store: as for `ExactEpochBasedTrainLoop`.
+        micro_batch_size, whole_batch_loss, bn, schedule, store, memory_budget, keep_every: as for
+            `ExactEpochBasedTrainLoop`.
 
     Examples::
 

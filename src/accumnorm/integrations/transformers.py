@@ -65,7 +65,8 @@ class ExactTrainer(Trainer):
         *args, **kwargs: those of `transformers.Trainer`, unchanged.
         bn: "exact" (every BatchNorm call sees the whole batch of a step, across processes) or "micro"
             (per-micro-batch statistics: plain accumulation with whole-batch loss weights). Default: "exact".
-        schedule, store: how exact mode runs, as for `accumnorm.backward`. Default: "auto", None.
+        schedule, store, memory_budget, keep_every: how exact mode runs, as for `accumnorm.backward`. Default:
+            "auto", None, None, None.
 
     Examples::
 
@@ -75,10 +76,12 @@ class ExactTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, bn: BNMode = "exact", schedule: Schedule = "auto",
-                 store: str | torch.device | None = None, **kwargs: Any) -> None:
+                 store: str | torch.device | None = None, memory_budget: int | None = None,
+                 keep_every: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._accumnorm_options = backward_options(self.model, _micro_batch_loss, micro_batch_size=1, bn=bn,
-                                                   schedule=schedule, store=store)
+                                                   schedule=schedule, store=store, memory_budget=memory_budget,
+                                                   keep_every=keep_every)
         self._accumnorm_batches: list[Any] = []  # the micro-batches of the step get_batch_samples gathered
         self._accumnorm_gathered: list[Any] = []  # and what each held then (`_contents`)
         self._accumnorm_checked = False
