@@ -120,6 +120,7 @@ def test_the_schedules_options_reach_the_step(option, tmp_path, one_thread):
     (dict(micro_batch_size=0), ValueError, "micro_batch_size must be >= 1, got 0"),
     (dict(micro_batch_size=2, bn="whole"), ValueError, "bn must be one of"),
     (dict(micro_batch_size=2, schedule="fast"), ValueError, "schedule must be one of"),
+    (dict(micro_batch_size=2, store="gpu"), ValueError, "store must be None, 'cpu' or a torch.device"),
     (dict(micro_batch_size=2, memory_budget=True), TypeError, "memory_budget must be a number of bytes"),
     (dict(micro_batch_size=2, keep_every=2), ValueError, "keep_every is the segments schedule's setting"),
 ])

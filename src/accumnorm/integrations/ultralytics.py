@@ -41,6 +41,7 @@ import accumnorm
 
 from .._engine.args import BNMode, Schedule, check_args, check_keep_every
 from .._engine.memory.budget import check_budget
+from .._engine.memory.store import resolve_store
 
 os.environ.setdefault("YOLO_OFFLINE", "1")  # else ultralytics looks up DNS names when it is imported
 try:
@@ -56,9 +57,9 @@ __all__ = ["exact_trainer", "exact_loss"]
 class _Options:
     """What the model's exact loss passes to accumnorm.backward; the trainer adds its GradScaler."""
 
-    def __init__(self, micro_batch_size: int, bn: BNMode, schedule: Schedule, memory_budget: int | None,
-                 keep_every: int | None) -> None:
-        self.micro_batch_size, self.bn, self.schedule = micro_batch_size, bn, schedule
+    def __init__(self, micro_batch_size: int, bn: BNMode, schedule: Schedule, store: str | torch.device | None,
+                 memory_budget: int | None, keep_every: int | None) -> None:
+        self.micro_batch_size, self.bn, self.schedule, self.store = micro_batch_size, bn, schedule, store
         self.memory_budget, self.keep_every = memory_budget, keep_every
         self.grad_scaler: torch.amp.GradScaler | None = None
 
@@ -85,7 +86,7 @@ class _ExactLoss:
 
         accumnorm.backward(self, batch["img"], micro_batch_size=options.micro_batch_size, forward_fn=_predict,
                            batch_loss_fn=batch_loss, targets=batch, bn=options.bn, schedule=options.schedule,
-                           memory_budget=options.memory_budget, keep_every=options.keep_every,
+                           store=options.store, memory_budget=options.memory_budget, keep_every=options.keep_every,
                            grad_scaler=options.grad_scaler)
         # A leaf: the trainer's backward of it reaches no parameter; the gradient is in .grad already.
         return result["loss"].requires_grad_(), result["items"]
@@ -105,18 +106,20 @@ def _exact_class(cls: type) -> type:
 
 
 def exact_loss(model: nn.Module, micro_batch_size: int, *, bn: BNMode = "exact", schedule: Schedule = "auto",
-               memory_budget: int | None = None, keep_every: int | None = None) -> nn.Module:
+               store: str | torch.device | None = None, memory_budget: int | None = None,
+               keep_every: int | None = None) -> nn.Module:
     """Make `model` (an ultralytics model, e.g. DetectionModel) compute its training loss exactly in micro-batches.
 
     In place; returns `model`. In training with grad enabled, `model.loss(batch)` (what `model(batch)` calls)
     adds to `.grad` the gradient of the loss over the whole batch, running `micro_batch_size` images at a time,
     and returns ultralytics' (loss, loss items) with the loss detached. `bn="micro"` keeps the loss whole but
-    BatchNorm per micro-batch (GradCache's scheme); `schedule`, `memory_budget` and `keep_every` as for
+    BatchNorm per micro-batch (GradCache's scheme); `schedule`, `store`, `memory_budget` and `keep_every` as for
     `accumnorm.backward`.
     """
     if not callable(getattr(model, "loss", None)):
         raise TypeError(f"expected an ultralytics model with a loss(batch, preds) method, got {type(model).__name__}")
     check_args(model, None, micro_batch_size, bn, schedule, forward_fn=_predict, batch_loss_fn=_predict)
+    resolve_store(store)
     check_budget(memory_budget)
     check_keep_every(keep_every, schedule)
     base = model._accumnorm_base if isinstance(model, _ExactLoss) else type(model)
@@ -128,7 +131,7 @@ def exact_loss(model: nn.Module, micro_batch_size: int, *, bn: BNMode = "exact",
             "micro-batch's images through model(images), would leave out. Nothing was changed. Train it with "
             "ultralytics' own loop")
     model.__class__ = _exact_class(base)
-    model._accumnorm = _Options(micro_batch_size, bn, schedule, memory_budget, keep_every)
+    model._accumnorm = _Options(micro_batch_size, bn, schedule, store, memory_budget, keep_every)
     return model
 
 
@@ -155,14 +158,16 @@ def _check_trainer(trainer: Any) -> None:
 
 
 def exact_trainer(micro_batch_size: int, trainer: type | None = None, *, bn: BNMode = "exact",
-                  schedule: Schedule = "auto", memory_budget: int | None = None, keep_every: int | None = None) -> type:
+                  schedule: Schedule = "auto", store: str | torch.device | None = None,
+                  memory_budget: int | None = None, keep_every: int | None = None) -> type:
     """A subclass of `trainer` (default: ultralytics' DetectionTrainer) whose steps are exact in micro-batches.
 
     Pass it to `YOLO(...).train(trainer=...)`, or construct it as the trainer itself (`overrides=...`). Each batch
     the trainer loads (`batch` images, at least `nbs`) is one optimizer step, run `micro_batch_size` images at a
-    time; see the module doc for what is refused. `bn`, `schedule`, `memory_budget` and `keep_every` as for
-    `exact_loss`.
+    time; see the module doc for what is refused. `bn`, `schedule`, `store`, `memory_budget` and `keep_every` as
+    for `exact_loss`.
     """
+    resolve_store(store)
     check_budget(memory_budget)
     check_keep_every(keep_every, schedule)
     base = trainer or DetectionTrainer
@@ -175,7 +180,7 @@ def exact_trainer(micro_batch_size: int, trainer: type | None = None, *, bn: BNM
 
         def get_model(self, *args: Any, **kwargs: Any) -> nn.Module:
             return exact_loss(super().get_model(*args, **kwargs), micro_batch_size, bn=bn, schedule=schedule,
-                              memory_budget=memory_budget, keep_every=keep_every)
+                              store=store, memory_budget=memory_budget, keep_every=keep_every)
 
     ExactTrainer.__name__ = ExactTrainer.__qualname__ = f"Exact{base.__name__}"
     return ExactTrainer
