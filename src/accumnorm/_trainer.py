@@ -27,6 +27,7 @@ from ._checkpoint import check_fits, get_rng, read_checkpoint, set_rng
 from ._dist import unwrap_ddp
 from ._engine.args import BNMode, Schedule, check_args, check_compile_options, check_keep_every
 from ._engine.backward import backward
+from ._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
 from ._engine.memory.budget import check_budget
 from ._engine.memory.store import resolve_store
 from ._files import atomic_open
@@ -231,14 +232,20 @@ class Trainer:
             "step": self.step_count, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
             "rng": _dist.all_gather_object({"now": get_rng(), "epoch_start": self._epoch_rng},
                                                  self.process_group),
+            # what recompute chose its regions by: a resumed run's first step chooses as the next one here would
+            "measurements": measurements(self.model),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a ``state_dict()``; checks everything that can fail before changing anything."""
         check_fits(state, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
                    world_size=self.world_size)
+        if "measurements" in state:  # a checkpoint written before they were kept has none
+            check_measurements(state["measurements"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.model.load_state_dict(state["model"])
+        if "measurements" in state:
+            load_measurements(self.model, state["measurements"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None:

@@ -33,7 +33,7 @@ from helpers import (
     sgd_halving,
     train_whole_batch,
 )
-from models import NoisyDigits, TinyUnrolled, small_net, tiny_dataset, vgg
+from models import NoisyDigits, TinyUnrolled, small_net, timm_model, tiny_dataset, vgg
 from programs.trainer_resume import KILL_IN_STEP, RESUME_STEPS
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "trainer_resume.py"
@@ -138,6 +138,32 @@ def test_the_schedules_options_reach_every_step_a_resumed_one_and_config_json(op
     oracle = TinyUnrolled()
     train_whole_batch(oracle, data)
     assert_state_close(model.state_dict(), oracle.state_dict(), 1e-9)
+    assert_state_close(resumed.state_dict(), model.state_dict(), 0.0)
+
+
+def test_a_recompute_run_resumed_from_its_checkpoint_steps_as_the_run_that_never_stopped(tmp_path):
+    """Recompute chooses its regions from the last step's measurements (timm's LCNet: its smallest blocks run as they
+    are from the second step on), and a BatchNorm call rounds otherwise in a checkpointed region than in one that runs
+    as it is: the checkpoint keeps the measurements, so that the resumed process's first step chooses as the next step
+    of the run that wrote it does, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(12, 3, 32, 32, generator=g), torch.randint(0, 10, (12,), generator=g)) for _ in range(3)]
+    torch.manual_seed(0)
+    start = timm_model()
+
+    def trainer(model: nn.Module) -> Trainer:
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ce_loss,
+                       micro_batch_size=4, schedule="recompute")
+
+    model = copy.deepcopy(start)
+    run = trainer(model)
+    for batch in data[:2]:
+        run.step(batch)
+    run.save(tmp_path / "ckpt.pt")
+    resumed = copy.deepcopy(start)
+    Trainer.load(tmp_path / "ckpt.pt", resumed, torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9),
+                 ce_loss, schedule="recompute").step(data[2])
+    run.step(data[2])
     assert_state_close(resumed.state_dict(), model.state_dict(), 0.0)
 
 

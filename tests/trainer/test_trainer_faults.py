@@ -161,6 +161,19 @@ def test_load_of_a_file_that_is_no_checkpoint_or_none_at_all(tmp_path):
         Trainer.load(tmp_path / "missing.pt", other.model, other.optimizer, ce_loss)
 
 
+def test_load_of_a_checkpoint_whose_recompute_measurements_are_damaged_changes_nothing(tmp_path):
+    saved = _trainer()
+    state = saved.state_dict()
+    state["measurements"] = {"saved": [1.0]}
+    torch.save(state, tmp_path / "odd.pt")
+    other = _trainer()
+    before = _state(other)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / 'odd.pt'))}: its recompute measurements are not "
+                                         r"a dict of saved, handed_on, output_bytes"):
+        Trainer.load(tmp_path / "odd.pt", other.model, other.optimizer, ce_loss)
+    assert _unchanged(other, before)
+
+
 # ---------------------------------------------------------------- what a killed run leaves behind
 def test_save_removes_the_temporary_files_that_killed_saves_left(tmp_path):
     """kill -9 during torch.save leaves .checkpoint.pt.<pid>.tmp behind; the next save of that checkpoint removes

@@ -6,7 +6,8 @@ BatchNorm calls recorded in the forward, and its recomputation made to give thei
 modules the recompute schedule checkpoints; `checkpointed`: their forwards checkpointed for a step, each call in a
 frame of `recomputation`, the schedule's own checkpoint, run again by `rerun` and checked against the output the next
 region kept (`handoff`) or a fingerprint (`again`); `kept`: the convolutions whose outputs the regions keep
-instead of recomputing them; `segmented`: the segments schedule's regions, met at their exits; `region_passes`:
+instead of recomputing them; `measurements`: what the last steps measured of those choices, for a checkpoint;
+`segmented`: the segments schedule's regions, met at their exits; `region_passes`:
 their backward, one micro-batch at a time; `region_checks`: what each of its recomputations must be for it to be
 exact.
 

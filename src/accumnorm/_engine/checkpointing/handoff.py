@@ -24,9 +24,9 @@ from torch import Tensor
 from .recomputation import RegionFrame
 from .regions import Region, RegionMemo
 
-__all__ = ["Handoffs"]
+__all__ = ["HANDED_ON", "Handoffs"]
 
-_HANDED_ON = RegionMemo()  # whether a region's output was last seen handed on to the next region
+HANDED_ON = RegionMemo()  # whether a region's output was last seen handed on to the next region
 
 
 class Handoffs:
@@ -43,7 +43,7 @@ class Handoffs:
     def later(self, region: Region) -> Callable[[], None] | None:
         """What a call of `region` gives `RegionFrame.forward`: None, to read its output at once; or, where the output
         was last handed on, what to call where it can no longer be read as the forward made it."""
-        return functools.partial(_HANDED_ON.set, region, False) if _HANDED_ON.get(region) else None
+        return functools.partial(HANDED_ON.set, region, False) if HANDED_ON.get(region) else None
 
     def gave(self, frame: RegionFrame, region: Region, out: Any) -> None:
         """A region call's output, which a later region call may take."""
@@ -64,7 +64,7 @@ class Handoffs:
             if t._version != version:
                 giver.settle()  # refuses an output left for later
                 continue
-            _HANDED_ON.set(region, True)
+            HANDED_ON.set(region, True)
             if giver.pending is not None and frame.inputs_as_given:
                 giver.hand_on()
             else:
@@ -78,7 +78,7 @@ class Handoffs:
         given, self._given = self._given, {}
         for giver, region, _, _ in given.values():
             if giver.pending is not None:
-                _HANDED_ON.set(region, False)
+                HANDED_ON.set(region, False)
                 giver.settle()
 
     def close(self) -> None:

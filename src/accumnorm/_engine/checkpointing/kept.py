@@ -40,7 +40,8 @@ from ..intercept.forwards import CONVOLUTIONS
 from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
 
-__all__ = ["MIN_REDUCTION", "Kept", "KeptCall", "choose", "keeps", "output_bytes"]
+__all__ = ["MIN_REDUCTION", "Kept", "KeptCall", "choose", "keeps", "load_output_bytes", "output_bytes",
+           "output_bytes_by_name"]
 
 MIN_REDUCTION = 256  # in_channels / groups x kernel size: a convolution that does this much per output value
 # a candidate convolution -> the bytes per sample of its outputs in the regions, as its last step measured them
@@ -55,6 +56,20 @@ def keeps(conv: nn.Module) -> bool:
 def output_bytes(conv: nn.Module) -> float | None:
     """The bytes per sample of a candidate's outputs in the regions, as its last step measured them (None: not yet)."""
     return _OUTPUT_BYTES.get(conv)
+
+
+def output_bytes_by_name(names: dict[nn.Module, str]) -> dict[str, float]:
+    """The measured candidates among the modules `names` names (module -> its name in a model), by that name."""
+    return {names[m]: size for m, size in _OUTPUT_BYTES.items() if m in names}
+
+
+def load_output_bytes(modules: dict[str, nn.Module], sizes: dict[str, float]) -> None:
+    """A model's `modules` (name -> module) measured as `output_bytes_by_name` gave them; none for one it left out."""
+    for name, m in modules.items():
+        if name in sizes:
+            _OUTPUT_BYTES[m] = sizes[name]
+        else:
+            _OUTPUT_BYTES.pop(m, None)
 
 
 class KeptCall:

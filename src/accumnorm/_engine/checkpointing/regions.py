@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["Run", "Region", "RegionMemo", "choose_regions", "keep_allowance", "largest_saved", "measured_saved",
-           "record_saved", "region_modules"]
+__all__ = ["SAVED", "Run", "Region", "RegionMemo", "choose_regions", "keep_allowance", "largest_saved",
+           "measured_saved", "record_saved", "region_modules"]
 
 _SHARE = 0.25  # of the largest region's saved bytes, what the regions left as they are may keep together
 # of the largest region's saved bytes per sample, what the kept convolution outputs may take (`kept`): they stay
@@ -182,7 +182,7 @@ def largest_saved(regions: list[Region]) -> float:
 
 def measured_saved(regions: list[Region]) -> list[float | None]:
     """Each region's saved bytes per sample, as its last checkpointed forward measured them (None: not yet)."""
-    return [_SAVED.get(r) for r in regions]
+    return [SAVED.get(r) for r in regions]
 
 
 def _unique(regions: list[Region]) -> list[Region]:
@@ -210,6 +210,18 @@ class RegionMemo:
     def set(self, region: Region, value: Any) -> None:
         self._values.setdefault(_first(region), {})[_length(region)] = value
 
+    def by_name(self, names: dict[nn.Module, str]) -> dict[str, dict[int, Any]]:
+        """The values of the modules `names` names (module -> its name in a model), by that name: for a checkpoint."""
+        return {names[m]: dict(values) for m, values in self._values.items() if m in names}
+
+    def load_by_name(self, modules: dict[str, nn.Module], values: dict[str, dict[int, Any]]) -> None:
+        """The values of a model's `modules` (name -> module) as `by_name` gave them; none for a module it left out."""
+        for name, m in modules.items():
+            if name in values:
+                self._values[m] = dict(values[name])
+            else:
+                self._values.pop(m, None)
+
 
 def _first(region: Region) -> nn.Module:
     return region.children()[0] if isinstance(region, Run) else region
@@ -221,9 +233,9 @@ def _length(region: Region) -> int:
 
 # the bytes per sample each region's forward saved for the backward, as its last checkpointed forward measured them
 # (what `choose_regions` weighs)
-_SAVED = RegionMemo()
+SAVED = RegionMemo()
 
 
 def record_saved(region: Region, per_sample: float) -> None:
     """What a region's forward saved, per sample, for the next steps' choice."""
-    _SAVED.set(region, per_sample)
+    SAVED.set(region, per_sample)
