@@ -26,7 +26,7 @@ from helpers import (
     sgd_halving,
     train_whole_batch,
 )
-from models import TinyUnrolled, lit_classifier, small_penalty, tiny_bn, tiny_dataset
+from models import TinyUnrolled, lit_classifier, small_penalty, timm_model, tiny_bn, tiny_dataset
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "lightning_ddp.py"
 CLIP = 0.05  # the gradient norm is ~0.1-1 here: every step is clipped
@@ -332,6 +332,31 @@ def test_misuse_raises_before_any_step(misuse):
 def test_the_mixin_after_lightning_module_in_the_bases_is_refused_when_the_class_is_made():
     with pytest.raises(TypeError, match=re.escape("write class Late(ExactAccumulation, L.LightningModule)")):
         type("Late", (pl.LightningModule, ExactAccumulation), {})
+
+
+def test_a_fit_under_recompute_resumed_from_its_checkpoint_steps_as_one_that_never_stopped(tmp_path):
+    """timm's LCNet, whose smallest blocks recompute runs as they are from its second step on (a BatchNorm call there
+    rounds otherwise than in a checkpointed block): the checkpoint keeps recompute's measurements, and the resumed
+    fit's first step is bit for bit the step of a fit that never stopped. Two steps an epoch, so both see the same
+    batches."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 3, 32, 32, generator=g), torch.randint(0, 10, (24,),
+                                                                                                 generator=g))
+    torch.manual_seed(0)
+    start = timm_model()
+
+    def fit(steps: int, **kwargs) -> pl.LightningModule:
+        module = lit_classifier()(copy.deepcopy(start), micro_batch_size=4, schedule="recompute")
+        run = trainer(max_steps=steps)
+        run.fit(module, torch.utils.data.DataLoader(data, batch_size=12), **kwargs)
+        if steps == 2:
+            run.save_checkpoint(tmp_path / "step2.ckpt")
+        return module
+
+    never_stopped = fit(3)
+    fit(2)
+    resumed = fit(3, ckpt_path=tmp_path / "step2.ckpt")
+    assert_state_close(resumed.state_dict(), never_stopped.state_dict(), 0.0)
 
 
 @pytest.mark.parametrize("option", SCHEDULE_OPTIONS)

@@ -20,7 +20,8 @@ it). The mixin's `training_step` runs it through `accumnorm.backward` in micro-b
 every rank) included, and returns that loss. Everything else is Lightning's automatic optimization,
 unchanged: precision plugins (autocast; under "16-mixed" its GradScaler scales the loss, unscales the
 gradient before clipping and skips a step that overflows), `Trainer(gradient_clip_val=...)`, the
-optimizer step, learning-rate schedulers, checkpoints and loggers. To log the loss, override
+optimizer step, learning-rate schedulers, checkpoints (which keep what the recompute schedule measured of the
+module, so that a resumed fit steps bit for bit as one that never stopped) and loggers. To log the loss, override
 `training_step`: `loss = super().training_step(batch, batch_idx); self.log("train_loss", loss)`. What the
 override returns is back-propagated as Lightning would: a multiple of the loss scales its gradient, and a term
 added to it (a penalty on the weights) adds its own, averaged over the ranks under DDP.
@@ -55,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._dist import Collectives, rank_and_size
 from .._engine.args import BNMode, Schedule
 from .._engine.backward import backward
+from .._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
 from .._optimizer import check_optimizer, gradients_set_aside, stepped_tensors
 from ._checks import backward_options
 
@@ -200,6 +202,22 @@ class ExactAccumulation:
             self.training_step = compiled["original_training_step"]
             self._accumnorm_loss = compiled["dynamo_ctx"](_micro_batch_loss)
         self._accumnorm_ready = True
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep what the recompute schedule measured of the module in the checkpoint (`checkpointing.measurements`):
+        a resumed fit then steps bit for bit as one that never stopped. An override calls super()."""
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[_MEASUREMENTS] = measurements(self)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore what `on_save_checkpoint` kept (a checkpoint from before it kept them has none)."""
+        super().on_load_checkpoint(checkpoint)
+        if _MEASUREMENTS in checkpoint:
+            check_measurements(checkpoint[_MEASUREMENTS])
+            load_measurements(self, checkpoint[_MEASUREMENTS])
+
+
+_MEASUREMENTS = "accumnorm_measurements"
 
 
 def _add_gradient(module: ExactAccumulation, returned: Tensor, stand_in: Tensor, scale: float,
