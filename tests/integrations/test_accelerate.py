@@ -28,7 +28,7 @@ from helpers import (
     sgd_halving,
     train_whole_batch,
 )
-from models import TinyUnrolled, tiny_bn, tiny_dataset
+from models import TinyUnrolled, timm_model, tiny_bn, tiny_dataset
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "accelerate_ddp.py"
 CLIP = 0.05  # the gradient norm is ~0.1-1 here: every step is clipped
@@ -171,6 +171,39 @@ def test_misuse_raises_at_set_up(misuse):
     model, opt = _set_up(accelerator, optimizer)
     with pytest.raises(error, match=re.escape(message)):
         ExactAccumulator(accelerator, model, opt, **{"loss_fn": ce_loss, "micro_batch_size": 3, **args})
+
+
+def test_a_run_under_recompute_resumed_by_load_state_steps_as_one_that_never_stopped(tmp_path):
+    """timm's LCNet, whose smallest blocks recompute runs as they are from its second step on (a BatchNorm call there
+    rounds otherwise than in a checkpointed block): with the ExactAccumulator registered for checkpointing, save_state
+    keeps recompute's measurements and the resumed run's first step is bit for bit the step of a run that never
+    stopped."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(12, 3, 32, 32, generator=g), torch.randint(0, 10, (12,), generator=g)) for _ in range(3)]
+    torch.manual_seed(0)
+    start = timm_model()
+
+    def run(steps: list, load: bool = False) -> nn.Module:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = Accelerator(cpu=True)
+        net = copy.deepcopy(start)
+        model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+        exact = ExactAccumulator(accelerator, model, optimizer, ce_loss, micro_batch_size=4, schedule="recompute")
+        accelerator.register_for_checkpointing(exact)
+        if load:
+            accelerator.load_state(tmp_path / "state")
+        for batch in steps:
+            optimizer.zero_grad()
+            exact.backward(batch)
+            optimizer.step()
+        if len(steps) == 2:
+            accelerator.save_state(tmp_path / "state")
+        return net
+
+    never_stopped = run(batches)
+    run(batches[:2])
+    resumed = run(batches[2:], load=True)
+    assert_state_close(resumed.state_dict(), never_stopped.state_dict(), 0.0)
 
 
 @pytest.mark.parametrize("option", SCHEDULE_OPTIONS)

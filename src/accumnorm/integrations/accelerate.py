@@ -15,7 +15,9 @@ gradient of the whole batch's mean loss, BatchNorm statistics of the whole batch
 that loss. The rest is the Accelerator's: it placed the model and the loader's batches on its device;
 its mixed precision autocasts the model's forward and, under fp16, its GradScaler scales the loss here
 while `clip_grad_norm_` and the prepared optimizer's `step` unscale, clip and skip steps that overflow;
-`save_state`/`load_state` checkpoint as usual. On several processes, `prepare` wraps the model in DDP:
+`save_state`/`load_state` checkpoint as usual (after `accelerator.register_for_checkpointing(exact)`, with
+what the recompute schedule measured of the model, so that a resumed run steps bit for bit as one that never
+stopped). On several processes, `prepare` wraps the model in DDP:
 accumnorm runs the forwards on the module inside and reduces statistics and gradients over the DDP
 model's process group itself, so the wrapper's own reducer is never armed (forward through the wrapped
 model only under `torch.no_grad()`, e.g. to evaluate).
@@ -31,6 +33,8 @@ module, which the compiled wrapper hides), and arguments that `accumnorm.backwar
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -38,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._dist import map_batch
 from .._engine.args import Batch, BNMode, Schedule
 from .._engine.backward import backward
+from .._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
 from .._engine.step.objective import LossFn
 from .._optimizer import check_optimizer
 from ._checks import backward_options
@@ -114,6 +119,7 @@ class ExactAccumulator:
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         check_optimizer(optimizer.optimizer, inner, "prepare an optimizer over model.parameters()")
         self.accelerator, self.model, self.loss_fn = accelerator, model, loss_fn
+        self._inner = getattr(inner, "_orig_mod", inner)  # the module a compiled one wraps: its names are the model's
 
     def backward(self, batch: Batch) -> Tensor:
         """Add the gradient of the mean loss over `batch` (this process's share) to `.grad`; return that
@@ -121,6 +127,17 @@ class ExactAccumulator:
         batch = map_batch(lambda t: t.to(self.accelerator.device), batch)
         # A DDP model is unwrapped by accumnorm.backward, which then reduces over its process group.
         return backward(self.model, batch, self.loss_fn, grad_scaler=self.accelerator.scaler, **self.options)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the recompute schedule measured of the model (`checkpointing.measurements`), for
+        `accelerator.register_for_checkpointing(exact)`: a run resumed by `load_state` then steps bit for bit as one
+        that never stopped."""
+        return measurements(self._inner)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` gave, checked first."""
+        check_measurements(state)
+        load_measurements(self._inner, state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
