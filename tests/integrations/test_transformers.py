@@ -37,7 +37,7 @@ from helpers import (  # noqa: E402
     rel_err,
     sgd_halving,
 )
-from models import KeywordClassifier, TinyUnrolled, keyword_samples, tiny_bn, tiny_dataset  # noqa: E402
+from models import KeywordClassifier, TinyUnrolled, keyword_samples, timm_model, tiny_bn, tiny_dataset  # noqa: E402
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "transformers_ddp.py"
 CLIP = 0.5  # below the gradient norms of these models: every step is clipped
@@ -263,6 +263,25 @@ def test_resuming_a_checkpoint_continues_bit_identically(tmp_path):
     optimizer, scheduler = sgd_halving(resumed.parameters())
     ExactTrainer(model=resumed, args=args, train_dataset=data, optimizers=(optimizer, scheduler)).train(
         resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert_state_close(resumed.state_dict(), first.state_dict(), 0.0)
+
+
+def test_a_run_under_recompute_resumed_from_a_checkpoint_steps_as_one_that_never_stopped(tmp_path):
+    """timm's LCNet, whose smallest blocks recompute runs as they are from its second step on (a BatchNorm call there
+    rounds otherwise than in a checkpointed block): the checkpoint keeps recompute's measurements, and the run
+    resumed from step 2 ends bit for bit as the one that never stopped."""
+    g = torch.Generator().manual_seed(0)
+    data = keyword_samples(torch.utils.data.TensorDataset(torch.randn(24, 3, 32, 32, generator=g),
+                                                          torch.randint(0, 10, (24,), generator=g)))
+    torch.manual_seed(0)
+    start = KeywordClassifier(timm_model())
+    args = arguments(tmp_path / "run", 4, 3, max_steps=3, save_strategy="steps", save_steps=2, max_grad_norm=0.0)
+    first = copy.deepcopy(start)
+    train(ExactTrainer, first, args, data, schedule="recompute")
+    resumed = copy.deepcopy(start)
+    optimizer, scheduler = sgd_halving(resumed.parameters())
+    ExactTrainer(model=resumed, args=args, train_dataset=data, optimizers=(optimizer, scheduler),
+                 schedule="recompute").train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert_state_close(resumed.state_dict(), first.state_dict(), 0.0)
 
 

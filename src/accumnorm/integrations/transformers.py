@@ -25,10 +25,12 @@ declares the label its loss ignores (the segmentation models' `semantic_loss_ign
 255) is weighted by its labels that are not that one. Without `labels` (or labels it cannot count) the weights are
 sample counts.
 
-Everything else is the Trainer's: logging, checkpoints and resume, `max_grad_norm`, LR schedulers, callbacks,
-`bf16` autocast and `fp16` (its GradScaler scales the loss here), DDP under torchrun (accumnorm reduces
-statistics and gradients itself; the DDP wrapper's reducer is never armed), and `torch_compile=True` or a
-compiled model on one process (dynamo breaks its graph at each BatchNorm call, where the micro-batches meet).
+Everything else is the Trainer's: logging, checkpoints and resume (a checkpoint also keeps what the recompute
+schedule measured of the model, so that a resumed run steps bit for bit as one that never stopped), `max_grad_norm`,
+LR schedulers, callbacks, `bf16` autocast and `fp16` (its GradScaler scales the loss here), DDP under torchrun
+(accumnorm reduces statistics and gradients itself; the DDP wrapper's reducer is never armed), and
+`torch_compile=True` or a compiled model on one process (dynamo breaks its graph at each BatchNorm call, where the
+micro-batches meet).
 Refused when the Trainer is made, or at the first step before anything changes (a ValueError saying what to
 change): DeepSpeed, FSDP, `torch_compile=True` under DDP (Accelerate compiles the DDP wrapper, whose forward
 accumnorm cannot run as its inner module's), several GPUs in one process (DataParallel), an optimizer over none
@@ -38,6 +40,7 @@ changes nothing: the Trainer sees the error before its optimizer, scheduler or `
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -46,6 +49,7 @@ from torch import Tensor, nn
 import accumnorm
 
 from .._engine.args import BNMode, Schedule
+from .._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
 from .._optimizer import check_optimizer
 from ._checks import backward_options
 
@@ -128,6 +132,23 @@ class ExactTrainer(Trainer):
                                   **self._accumnorm_options)
         return loss.to(self.args.device)
 
+    # The two methods the Trainer calls with a checkpoint's folder, as it saves one and as it resumes from one
+    def _save_rng_state(self, output_dir: str) -> None:
+        """The Trainer's RNG states, and what the recompute schedule measured of the model (`measurements`): a run
+        resumed from the checkpoint then steps bit for bit as one that never stopped."""
+        super()._save_rng_state(output_dir)
+        if self.args.should_save:
+            torch.save(measurements(_unwrapped(self.model)), os.path.join(output_dir, _MEASUREMENTS))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """The checkpoint's RNG states, and what `_save_rng_state` kept beside them (a checkpoint without: none)."""
+        super()._load_rng_state(checkpoint)
+        path = None if checkpoint is None else os.path.join(checkpoint, _MEASUREMENTS)
+        if path is not None and os.path.isfile(path):
+            state = torch.load(path, weights_only=True)
+            check_measurements(state)
+            load_measurements(_unwrapped(self.model), state)
+
     def _micro_batch_weights(self, batches: list[dict[str, Any]]) -> list[tuple[float, Any]]:
         """Per micro-batch: the factor on its `compute_loss` that makes accumnorm's equal weights (1 / micro-batches,
         over all processes) the whole batch's weights (its share of the items, or of the samples), and the
@@ -149,6 +170,14 @@ class ExactTrainer(Trainer):
         # A micro-batch without items weighs 0; its count passed as 1 keeps a loss summed over no item at 0, not 0/0.
         passed = [n if n is None else torch.clamp(torch.as_tensor(n), min=1) for n in items]
         return [(c / count * micro_batches / f, n) for c, n, f in zip(counts, passed, factors)]
+
+
+_MEASUREMENTS = "accumnorm_measurements.pt"
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """The model without the compile wrapper `torch_compile=True` puts on it: the names its measurements go by."""
+    return getattr(model, "_orig_mod", model)
 
 
 _TRANSFORMED = ("an override of training_step that changes its inputs before calling ExactTrainer's. ExactTrainer "
