@@ -25,7 +25,7 @@ from helpers import (
     sgd_halving,
     train_whole_batch,
 )
-from models import TinyUnrolled, mm_classifier, mm_samples, tiny_bn, tiny_dataset
+from models import TinyUnrolled, mm_classifier, mm_samples, timm_model, tiny_bn, tiny_dataset
 
 PROGRAM = Path(__file__).parents[1] / "programs" / "mmengine_ddp.py"
 CLIP = 0.05  # the gradient norm is ~0.1-1 here: every step is clipped
@@ -85,6 +85,25 @@ def test_runner_equals_whole_batch_training_and_resumes_bit_identically(loop, tm
     second._load_from, second._resume = str(tmp_path / "run" / checkpoint), True
     second.train()
     assert_state_close(resumed.net.state_dict(), model.net.state_dict(), 0.0)
+
+
+def test_a_run_under_recompute_resumed_from_its_checkpoint_steps_as_one_that_never_stopped(tmp_path, monkeypatch):
+    """timm's LCNet, whose smallest blocks recompute runs as they are from its second step on (a BatchNorm call there
+    rounds otherwise than in a checkpointed block): the checkpoint keeps recompute's measurements, and the run
+    resumed after epoch 1 ends bit for bit as the one that never stopped."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,),
+                                                                                                 generator=g))
+    torch.manual_seed(0)
+    start = timm_model()
+    model = mm_classifier()(copy.deepcopy(start))
+    runner(tmp_path / "run", model, mm_samples(data), micro_batch_size=4, schedule="recompute").train()
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # mmengine's classes in its checkpoints
+    resumed = mm_classifier()(copy.deepcopy(start))
+    second = runner(tmp_path / "resumed", resumed, mm_samples(data), micro_batch_size=4, schedule="recompute")
+    second._load_from, second._resume = str(tmp_path / "run" / "epoch_1.pth"), True
+    second.train()
+    assert_state_close(resumed.state_dict(), model.state_dict(), 0.0)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -12,7 +12,8 @@ them through `accumnorm.backward`, every BatchNorm call seeing the whole batch (
 model's own `data_preprocessor` and `loss` run on each micro-batch, inside the optim wrapper's
 `optim_context` (AMP autocast), and its parsed loss, a mean over the micro-batch's samples, is weighted by
 their share of the batch. The optim wrapper then steps as usual: `update_params` (gradient clipping, the
-AMP loss scaler, `zero_grad`), param schedulers, hooks, logging, checkpoints and resume stay mmengine's.
+AMP loss scaler, `zero_grad`), param schedulers, hooks, logging, checkpoints and resume stay mmengine's
+(a checkpoint also keeps what the recompute schedule measured of the model, for a bit-identical resume).
 
 Losses divided by a count over the whole batch (mmdet's `avg_factor`, the positives of the batch) need the
 whole batch's outputs: with `whole_batch_loss=True` the loop runs `model(inputs, data_samples, mode="tensor")`
@@ -43,10 +44,12 @@ from torch.nn.parallel import DistributedDataParallel
 import accumnorm
 
 from .._engine.args import BNMode, Schedule, check_compile_options
+from .._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
 from .._optimizer import check_optimizer
 from ._checks import backward_options
 
 try:
+    from mmengine.hooks import Hook
     from mmengine.model import BaseModel, is_model_wrapper
     from mmengine.optim import OptimWrapperDict
     from mmengine.registry import LOOPS
@@ -74,6 +77,7 @@ class _ExactTrainStep:
                                                   keep_every=keep_every)
         self.whole_batch_loss = whole_batch_loss
         super().__init__(runner, dataloader, **kwargs)  # type: ignore[call-arg]
+        runner.register_hook(_KeepMeasurements(model), priority="LOWEST")  # built before the runner resumes
 
     def run(self) -> Any:
         """Check the runner's model, optim wrapper and compile config, compile the model as configured, then run
@@ -138,6 +142,25 @@ def _whole_log_vars(parts: list[tuple[int, dict[str, Tensor]]]) -> dict[str, Ten
         samples = total if "loss" in name else sum(n for n, _ in having)
         whole[name] = sum(n * value for n, value in having) / samples
     return whole
+
+
+class _KeepMeasurements(Hook):
+    """What the recompute schedule measured of the model, in each checkpoint and back at its resume (`measurements`):
+    a resumed run then steps bit for bit as one that never stopped."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
+        checkpoint[_MEASUREMENTS] = measurements(self.model)
+
+    def after_load_checkpoint(self, runner: Any, checkpoint: dict) -> None:
+        if _MEASUREMENTS in checkpoint:  # a checkpoint written without the exact loop has none
+            check_measurements(checkpoint[_MEASUREMENTS])
+            load_measurements(self.model, checkpoint[_MEASUREMENTS])
+
+
+_MEASUREMENTS = "accumnorm_measurements"
 
 
 def _whole_batch_step(model: nn.Module, data_batch: dict[str, Any], optim_wrapper: Any, scaler: Any,
