@@ -161,6 +161,22 @@ def test_load_of_a_file_that_is_no_checkpoint_or_none_at_all(tmp_path):
         Trainer.load(tmp_path / "missing.pt", other.model, other.optimizer, ce_loss)
 
 
+def test_a_checkpoint_written_before_measurements_were_kept_loads_and_resumes(tmp_path):
+    saved = _trainer()
+    state = saved.state_dict()
+    del state["measurements"]
+    torch.save(state, tmp_path / "older.pt")
+    other = _trainer()
+    loaded = Trainer.load(tmp_path / "older.pt", other.model, other.optimizer, ce_loss)
+    batch = next(iter(torch.utils.data.DataLoader(NoisyDigits(8), batch_size=8)))
+    losses = []
+    for trainer in (loaded, saved):
+        torch.manual_seed(0)  # the same dropout masks
+        losses.append(trainer.step(batch))
+    assert losses[0] == losses[1]
+    assert all(torch.equal(a, b) for a, b in zip(other.model.state_dict().values(), saved.model.state_dict().values()))
+
+
 def test_load_of_a_checkpoint_whose_recompute_measurements_are_damaged_changes_nothing(tmp_path):
     saved = _trainer()
     state = saved.state_dict()
