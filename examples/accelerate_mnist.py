@@ -51,6 +51,7 @@ def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
 
 
 exact = ExactAccumulator(accelerator, model, optimizer, loss_fn, micro_batch_size=args.micro_batch_size)  # changed: +
+accelerator.register_for_checkpointing(exact)  # + save_state keeps what a bit-identical resume under recompute needs
 
 
 def batches():
