@@ -25,11 +25,9 @@ from torch.distributed import ProcessGroup
 from . import _dist
 from ._checkpoint import check_fits, get_rng, read_checkpoint, set_rng
 from ._dist import unwrap_ddp
-from ._engine.args import BNMode, Schedule, check_args, check_compile_options, check_keep_every
+from ._engine.args import BNMode, Schedule, check_args, check_compile_options, check_schedule_options
 from ._engine.backward import backward
 from ._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
-from ._engine.memory.budget import check_budget
-from ._engine.memory.store import resolve_store
 from ._files import atomic_open
 from ._fit import FitLoop, check_fit_args, check_log_dir, train_mode
 from ._optimizer import check_optimizer, gradients_set_aside, stepped_tensors
@@ -68,9 +66,7 @@ class Trainer:
         model, process_group = unwrap_ddp(model, process_group)
         check_compile_options(compile, bn)
         check_args(model, loss_fn, micro_batch_size, bn, schedule)  # as accumnorm.backward would at every step
-        resolve_store(store)
-        check_budget(memory_budget)
-        check_keep_every(keep_every, schedule)
+        check_schedule_options(schedule, store, memory_budget, keep_every)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if next(model.parameters(), None) is None:

@@ -9,7 +9,11 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-__all__ = ["Batch", "BNMode", "Schedule", "check_args", "check_compile_options", "check_step_args", "split"]
+from .memory.budget import check_budget
+from .memory.store import resolve_store
+
+__all__ = ["Batch", "BNMode", "Schedule", "check_args", "check_compile_options", "check_schedule_options",
+           "check_step_args", "split"]
 
 Batch = Tensor | Sequence[Tensor] | Mapping[str, Tensor]
 BNMode = Literal["exact", "micro"]
@@ -30,6 +34,14 @@ def check_args(model: Any, loss_fn: Any, micro_batch_size: Any, bn: Any, schedul
         raise ValueError(f"bn must be one of {get_args(BNMode)}, got {bn!r}")
     if schedule not in get_args(Schedule):
         raise ValueError(f"schedule must be one of {get_args(Schedule)}, got {schedule!r}")
+
+
+def check_schedule_options(schedule: Any, store: Any, memory_budget: Any, keep_every: Any) -> torch.device:
+    """`store`, `memory_budget` and `keep_every`, checked as `backward`, the Trainer and the integrations take them
+    (`schedule` by `check_args`); the device `store` names."""
+    check_budget(memory_budget)
+    check_keep_every(keep_every, schedule)
+    return resolve_store(store)
 
 
 def check_keep_every(keep_every: Any, schedule: Any) -> None:

@@ -17,11 +17,11 @@ import torch.nn as nn
 from torch import Tensor
 
 from .._dist import Collectives, unwrap_ddp
-from .args import Batch, BNMode, Schedule, check_args, check_keep_every, check_step_args, split
+from .args import Batch, BNMode, Schedule, check_args, check_schedule_options, check_step_args, split
 from .lazy_eps import warn_large_eps
-from .memory.budget import check_budget, check_budget_fits_passes, default_budget, model_device
+from .memory.budget import check_budget_fits_passes, default_budget, model_device
 from .memory.heap import ResidentBound
-from .memory.store import resolve_store, store_for
+from .memory.store import store_for
 from .safety import untraced
 from .safety.tree import module_names
 from .schedules.decide import refuse_before_step, run_step
@@ -182,9 +182,7 @@ def _backward(model: nn.Module, batch: Batch, loss_fn: LossFn | None, *, micro_b
     check_args(model, loss_fn, micro_batch_size, bn, schedule, forward_fn=forward_fn, batch_loss_fn=batch_loss_fn,
                targets=targets)
     check_step_args(grad_scaler, process_group, whole_batch_loss=batch_loss_fn is not None)
-    check_budget(memory_budget)
-    check_keep_every(keep_every, schedule)
-    store_device = resolve_store(store)
+    store_device = check_schedule_options(schedule, store, memory_budget, keep_every)
     micro_batches, sizes = split(batch, micro_batch_size)
     device = model_device(model)
     if memory_budget is not None:

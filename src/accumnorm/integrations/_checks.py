@@ -5,9 +5,7 @@ from typing import Any
 
 from torch import nn
 
-from .._engine.args import check_args, check_keep_every
-from .._engine.memory.budget import check_budget
-from .._engine.memory.store import resolve_store
+from .._engine.args import check_args, check_schedule_options
 from .._engine.step.objective import LossFn
 
 __all__ = ["backward_options"]
@@ -18,9 +16,7 @@ def backward_options(model: nn.Module, loss_fn: LossFn, *, micro_batch_size: Any
     """The keyword arguments every step passes to `accumnorm.backward`, checked as it checks them but once, at
     set-up: a wrong one fails before the framework starts instead of at the first step."""
     check_args(model, loss_fn, micro_batch_size, bn, schedule)
-    resolve_store(store)
-    check_budget(memory_budget)
-    check_keep_every(keep_every, schedule)
+    check_schedule_options(schedule, store, memory_budget, keep_every)
     return dict(micro_batch_size=micro_batch_size, bn=bn, schedule=schedule, store=store, memory_budget=memory_budget,
                 keep_every=keep_every)
 

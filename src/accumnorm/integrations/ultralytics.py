@@ -39,9 +39,7 @@ from torch import nn
 
 import accumnorm
 
-from .._engine.args import BNMode, Schedule, check_args, check_keep_every
-from .._engine.memory.budget import check_budget
-from .._engine.memory.store import resolve_store
+from .._engine.args import BNMode, Schedule, check_args, check_schedule_options
 
 os.environ.setdefault("YOLO_OFFLINE", "1")  # else ultralytics looks up DNS names when it is imported
 try:
@@ -119,9 +117,7 @@ def exact_loss(model: nn.Module, micro_batch_size: int, *, bn: BNMode = "exact",
     if not callable(getattr(model, "loss", None)):
         raise TypeError(f"expected an ultralytics model with a loss(batch, preds) method, got {type(model).__name__}")
     check_args(model, None, micro_batch_size, bn, schedule, forward_fn=_predict, batch_loss_fn=_predict)
-    resolve_store(store)
-    check_budget(memory_budget)
-    check_keep_every(keep_every, schedule)
+    check_schedule_options(schedule, store, memory_budget, keep_every)
     base = model._accumnorm_base if isinstance(model, _ExactLoss) else type(model)
     if base.loss is not BaseModel.loss:
         raise TypeError(
@@ -167,9 +163,7 @@ def exact_trainer(micro_batch_size: int, trainer: type | None = None, *, bn: BNM
     time; see the module doc for what is refused. `bn`, `schedule`, `store`, `memory_budget` and `keep_every` as
     for `exact_loss`.
     """
-    resolve_store(store)
-    check_budget(memory_budget)
-    check_keep_every(keep_every, schedule)
+    check_schedule_options(schedule, store, memory_budget, keep_every)
     base = trainer or DetectionTrainer
 
     class ExactTrainer(base):  # type: ignore[valid-type, misc]
