@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._dist import map_batch
 from .._engine.args import Batch, BNMode, Schedule
 from .._engine.backward import backward
-from .._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
+from .._engine.checkpointing.measurements import load_measurements, measurements
 from .._engine.step.objective import LossFn
 from .._optimizer import check_optimizer
 from ._checks import backward_options
@@ -119,7 +119,6 @@ class ExactAccumulator:
         inner = model.module if isinstance(model, DistributedDataParallel) else model
         check_optimizer(optimizer.optimizer, inner, "prepare an optimizer over model.parameters()")
         self.accelerator, self.model, self.loss_fn = accelerator, model, loss_fn
-        self._inner = getattr(inner, "_orig_mod", inner)  # the module a compiled one wraps: its names are the model's
 
     def backward(self, batch: Batch) -> Tensor:
         """Add the gradient of the mean loss over `batch` (this process's share) to `.grad`; return that
@@ -132,12 +131,11 @@ class ExactAccumulator:
         """What the recompute schedule measured of the model (`checkpointing.measurements`), for
         `accelerator.register_for_checkpointing(exact)`: a run resumed by `load_state` then steps bit for bit as one
         that never stopped."""
-        return measurements(self._inner)
+        return measurements(self.model)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` gave, checked first."""
-        check_measurements(state)
-        load_measurements(self._inner, state)
+        load_measurements(self.model, state)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"

@@ -56,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .._dist import Collectives, rank_and_size
 from .._engine.args import BNMode, Schedule
 from .._engine.backward import backward
-from .._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
+from .._engine.checkpointing.measurements import CHECKPOINT_KEY, load_measurements, measurements
 from .._optimizer import check_optimizer, gradients_set_aside, stepped_tensors
 from ._checks import backward_options
 
@@ -207,17 +207,13 @@ class ExactAccumulation:
         """Keep what the recompute schedule measured of the module in the checkpoint (`checkpointing.measurements`):
         a resumed fit then steps bit for bit as one that never stopped. An override calls super()."""
         super().on_save_checkpoint(checkpoint)
-        checkpoint[_MEASUREMENTS] = measurements(self)
+        checkpoint[CHECKPOINT_KEY] = measurements(self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore what `on_save_checkpoint` kept (a checkpoint from before it kept them has none)."""
         super().on_load_checkpoint(checkpoint)
-        if _MEASUREMENTS in checkpoint:
-            check_measurements(checkpoint[_MEASUREMENTS])
-            load_measurements(self, checkpoint[_MEASUREMENTS])
-
-
-_MEASUREMENTS = "accumnorm_measurements"
+        if CHECKPOINT_KEY in checkpoint:
+            load_measurements(self, checkpoint[CHECKPOINT_KEY])
 
 
 def _add_gradient(module: ExactAccumulation, returned: Tensor, stand_in: Tensor, scale: float,

@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 import accumnorm
 
 from .._engine.args import BNMode, Schedule, check_compile_options
-from .._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
+from .._engine.checkpointing.measurements import CHECKPOINT_KEY, load_measurements, measurements
 from .._optimizer import check_optimizer
 from ._checks import backward_options
 
@@ -152,15 +152,11 @@ class _KeepMeasurements(Hook):
         self.model = model
 
     def before_save_checkpoint(self, runner: Any, checkpoint: dict) -> None:
-        checkpoint[_MEASUREMENTS] = measurements(self.model)
+        checkpoint[CHECKPOINT_KEY] = measurements(self.model)
 
     def after_load_checkpoint(self, runner: Any, checkpoint: dict) -> None:
-        if _MEASUREMENTS in checkpoint:  # a checkpoint written without the exact loop has none
-            check_measurements(checkpoint[_MEASUREMENTS])
-            load_measurements(self.model, checkpoint[_MEASUREMENTS])
-
-
-_MEASUREMENTS = "accumnorm_measurements"
+        if CHECKPOINT_KEY in checkpoint:  # a checkpoint written without the exact loop has none
+            load_measurements(self.model, checkpoint[CHECKPOINT_KEY])
 
 
 def _whole_batch_step(model: nn.Module, data_batch: dict[str, Any], optim_wrapper: Any, scaler: Any,

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 import accumnorm
 
 from .._engine.args import BNMode, Schedule
-from .._engine.checkpointing.measurements import check_measurements, load_measurements, measurements
+from .._engine.checkpointing.measurements import CHECKPOINT_KEY, load_measurements, measurements
 from .._optimizer import check_optimizer
 from ._checks import backward_options
 
@@ -138,16 +138,14 @@ class ExactTrainer(Trainer):
         resumed from the checkpoint then steps bit for bit as one that never stopped."""
         super()._save_rng_state(output_dir)
         if self.args.should_save:
-            torch.save(measurements(_unwrapped(self.model)), os.path.join(output_dir, _MEASUREMENTS))
+            torch.save(measurements(self.model), os.path.join(output_dir, _MEASUREMENTS))
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         """The checkpoint's RNG states, and what `_save_rng_state` kept beside them (a checkpoint without: none)."""
         super()._load_rng_state(checkpoint)
         path = None if checkpoint is None else os.path.join(checkpoint, _MEASUREMENTS)
         if path is not None and os.path.isfile(path):
-            state = torch.load(path, weights_only=True)
-            check_measurements(state)
-            load_measurements(_unwrapped(self.model), state)
+            load_measurements(self.model, torch.load(path, weights_only=True))
 
     def _micro_batch_weights(self, batches: list[dict[str, Any]]) -> list[tuple[float, Any]]:
         """Per micro-batch: the factor on its `compute_loss` that makes accumnorm's equal weights (1 / micro-batches,
@@ -172,12 +170,7 @@ class ExactTrainer(Trainer):
         return [(c / count * micro_batches / f, n) for c, n, f in zip(counts, passed, factors)]
 
 
-_MEASUREMENTS = "accumnorm_measurements.pt"
-
-
-def _unwrapped(model: nn.Module) -> nn.Module:
-    """The model without the compile wrapper `torch_compile=True` puts on it: the names its measurements go by."""
-    return getattr(model, "_orig_mod", model)
+_MEASUREMENTS = f"{CHECKPOINT_KEY}.pt"  # in a checkpoint's folder
 
 
 _TRANSFORMED = ("an override of training_step that changes its inputs before calling ExactTrainer's. ExactTrainer "

@@ -40,12 +40,11 @@ from ..intercept.forwards import CONVOLUTIONS
 from ..safety import untraced
 from ..safety.threadstate import saved_tensor_hooks
 
-__all__ = ["MIN_REDUCTION", "Kept", "KeptCall", "choose", "keeps", "load_output_bytes", "output_bytes",
-           "output_bytes_by_name"]
+__all__ = ["MIN_REDUCTION", "OUTPUT_BYTES", "Kept", "KeptCall", "choose", "keeps", "output_bytes"]
 
 MIN_REDUCTION = 256  # in_channels / groups x kernel size: a convolution that does this much per output value
 # a candidate convolution -> the bytes per sample of its outputs in the regions, as its last step measured them
-_OUTPUT_BYTES: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
+OUTPUT_BYTES: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
 
 
 def keeps(conv: nn.Module) -> bool:
@@ -55,21 +54,7 @@ def keeps(conv: nn.Module) -> bool:
 
 def output_bytes(conv: nn.Module) -> float | None:
     """The bytes per sample of a candidate's outputs in the regions, as its last step measured them (None: not yet)."""
-    return _OUTPUT_BYTES.get(conv)
-
-
-def output_bytes_by_name(names: dict[nn.Module, str]) -> dict[str, float]:
-    """The measured candidates among the modules `names` names (module -> its name in a model), by that name."""
-    return {names[m]: size for m, size in _OUTPUT_BYTES.items() if m in names}
-
-
-def load_output_bytes(modules: dict[str, nn.Module], sizes: dict[str, float]) -> None:
-    """A model's `modules` (name -> module) measured as `output_bytes_by_name` gave them; none for one it left out."""
-    for name, m in modules.items():
-        if name in sizes:
-            _OUTPUT_BYTES[m] = sizes[name]
-        else:
-            _OUTPUT_BYTES.pop(m, None)
+    return OUTPUT_BYTES.get(conv)
 
 
 class KeptCall:
@@ -145,7 +130,7 @@ class Kept:
         """The forwards are over: note the candidates' sizes."""
         for m, size in self.sizes.items():
             if size:
-                _OUTPUT_BYTES[m] = size / self.micro_batches
+                OUTPUT_BYTES[m] = size / self.micro_batches
 
     def replay(self, frame: Any, module: nn.Module, forward: Callable[..., Tensor], input: Tensor) -> Tensor:  # noqa: A002
         """A convolution of a region's recomputation: the forward's output again where it can be (module doc)."""
@@ -173,10 +158,10 @@ class Kept:
 def choose(candidates: list[nn.Module], allowance: float) -> frozenset[nn.Module]:
     """The measured candidates of the largest reductions whose outputs fit in `allowance` bytes per sample."""
     chosen, left = [], allowance
-    for m in sorted((m for m in candidates if m in _OUTPUT_BYTES), key=lambda m: (-_reduction(m), _OUTPUT_BYTES[m])):
-        if _OUTPUT_BYTES[m] <= left:
+    for m in sorted((m for m in candidates if m in OUTPUT_BYTES), key=lambda m: (-_reduction(m), OUTPUT_BYTES[m])):
+        if OUTPUT_BYTES[m] <= left:
             chosen.append(m)
-            left -= _OUTPUT_BYTES[m]
+            left -= OUTPUT_BYTES[m]
     return frozenset(chosen)
 
 

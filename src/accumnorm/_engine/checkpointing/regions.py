@@ -202,25 +202,14 @@ class RegionMemo:
     first module, weakly, and its length in modules."""
 
     def __init__(self) -> None:
-        self._values: weakref.WeakKeyDictionary[nn.Module, dict[int, Any]] = weakref.WeakKeyDictionary()
+        # a region's first module -> {its length: the value}, weakly (`measurements` saves and restores it by name)
+        self.by_module: weakref.WeakKeyDictionary[nn.Module, dict[int, Any]] = weakref.WeakKeyDictionary()
 
     def get(self, region: Region) -> Any:
-        return self._values.get(_first(region), {}).get(_length(region))
+        return self.by_module.get(_first(region), {}).get(_length(region))
 
     def set(self, region: Region, value: Any) -> None:
-        self._values.setdefault(_first(region), {})[_length(region)] = value
-
-    def by_name(self, names: dict[nn.Module, str]) -> dict[str, dict[int, Any]]:
-        """The values of the modules `names` names (module -> its name in a model), by that name: for a checkpoint."""
-        return {names[m]: dict(values) for m, values in self._values.items() if m in names}
-
-    def load_by_name(self, modules: dict[str, nn.Module], values: dict[str, dict[int, Any]]) -> None:
-        """The values of a model's `modules` (name -> module) as `by_name` gave them; none for a module it left out."""
-        for name, m in modules.items():
-            if name in values:
-                self._values[m] = dict(values[name])
-            else:
-                self._values.pop(m, None)
+        self.by_module.setdefault(_first(region), {})[_length(region)] = value
 
 
 def _first(region: Region) -> nn.Module:

@@ -42,7 +42,7 @@ from .store import Store, alias, python_tensor
 
 __all__ = ["Choice", "Figure", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget",
            "figures", "format_bytes", "gradient_bytes", "last_schedule", "model_device", "record_choice",
-           "schedule_label", "signature", "stopped_figures"]
+           "schedule_label", "signature", "stopped_figures", "trained_module"]
 
 _MARGIN = 0.9  # of the free memory, the share a default budget takes
 
@@ -194,9 +194,9 @@ def stopped_figures(model: nn.Module) -> set[tuple]:
     return _STOPPED[model]
 
 
-def _trained(model: nn.Module) -> nn.Module:
-    """The module a step trains: `model` without its DDP and `torch.compile` wrappers, so that `last_schedule` answers
-    for the model and for each wrapper of it alike."""
+def trained_module(model: nn.Module) -> nn.Module:
+    """The module a step trains: `model` without its DDP and `torch.compile` wrappers, so that what is kept of a
+    model's steps (`last_schedule`, recompute's measurements) is the same for the model and each wrapper of it."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
@@ -207,7 +207,7 @@ def _trained(model: nn.Module) -> nn.Module:
 
 
 def record_choice(model: nn.Module, choice: Choice) -> None:
-    _CHOICES[_trained(model)] = choice
+    _CHOICES[trained_module(model)] = choice
 
 
 def last_schedule(model: nn.Module) -> Choice | None:
@@ -219,7 +219,7 @@ def last_schedule(model: nn.Module) -> Choice | None:
         accumnorm.backward(model, batch, loss_fn, micro_batch_size=4)
         accumnorm.last_schedule(model)   # Choice(schedule='layerwise', reason='it fits the memory budget', ...)
     """
-    return _CHOICES.get(_trained(model))
+    return _CHOICES.get(trained_module(model))
 
 
 class Meter:
