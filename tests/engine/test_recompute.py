@@ -826,6 +826,21 @@ def test_auto_with_room_runs_layerwise():
     assert accumnorm.last_schedule(model).schedule == "layerwise"
 
 
+def test_autos_figure_leaves_out_the_views_of_parameters_a_step_saves():
+    """A Linear's matmul saves its weight transposed: a view of the parameter, no memory the step makes. The figure
+    "auto" judges by is the saved activations and the gradients, not the weights again."""
+    model = nn.Sequential(nn.Linear(64, 512), nn.BatchNorm1d(512), nn.Tanh(), nn.Linear(512, 2048),
+                          nn.BatchNorm1d(2048), nn.Tanh(), nn.Linear(2048, 10)).double()
+    batch = data((64,), 16, torch.float64)
+    grads, saved, _ = figures(model, batch)
+    weights = 2048 * (512 + 10) * 8  # those whose input requires grad: their matmuls save them
+    assert saved < weights // 4, (saved, weights)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=2**40)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == "layerwise", choice
+    assert grads + saved <= choice.need < grads + 2 * saved, (choice.need, grads, saved)
+
+
 @pytest.mark.parametrize("budget, exc, words", [
     ("1GB", TypeError, ["memory_budget", "int", "str"]),
     (1.5e9, TypeError, ["memory_budget", "float"]),

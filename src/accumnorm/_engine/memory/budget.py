@@ -250,8 +250,10 @@ class Meter:
 
     def count(self, t: Tensor) -> None:
         """Count a tensor the step keeps for its backward by other means than autograd's saved tensors (each storage
-        once, parameters and leaves that require grad not at all); raise `OverBudget` past the budget."""
-        if not (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)):
+        once; parameters, leaves that require grad and views of either not at all: a Linear's matmul saves its
+        weight transposed); raise `OverBudget` past the budget."""
+        base = t if t._base is None else t._base
+        if not (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
             key, nbytes = _storage(t)
             if key not in self._seen:
                 self._seen.add(key)
