@@ -557,7 +557,7 @@ def test_forward_failure_between_batchnorm_calls_neither_hangs_nor_changes_anyth
     assert not set(threading.enumerate()) - threads - {worker}, "worker threads left running"
 
 
-@pytest.mark.parametrize("budget", [10**9, 10_000])
+@pytest.mark.parametrize("budget", [10**9, 7_000])
 def test_auto_under_a_process_group_runs_one_schedule_on_every_rank(tmp_path, budget):
     """tests/programs/auto_ranks.py: two gloo ranks with shards of 7 and 3 samples and one memory budget. Their needs
     differ, and so did their choices: rank 0 stopped layerwise over the budget and started over under recompute
