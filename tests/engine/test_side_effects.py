@@ -240,7 +240,7 @@ class Counters(nn.Module):
 def test_a_failed_step_restores_every_buffer_and_gradient(schedule, bn):
     model = Counters()
     batch = data((6,), 8)
-    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, bn=bn, schedule=schedule)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, bn="micro")  # exact refuses these buffers' changes
     snap, ema = snapshot(model), model.ema
     last = batch[0][6:]
 
@@ -254,6 +254,80 @@ def test_a_failed_step_restores_every_buffer_and_gradient(schedule, bn):
         accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn, schedule=schedule)
     assert_unchanged(model, snap)
     assert model.ema is ema  # the replaced buffer is the very tensor it was
+
+
+def _spectral_normed(parametrized: bool) -> nn.Module:
+    """conv-BN with the convolution's weight spectrally normalized: each training forward takes a step of power
+    iteration, changing the buffer `weight_u` (torch.nn.utils.spectral_norm) or `_u` (its parametrization) in place."""
+    conv = nn.Conv2d(1, 4, 3, padding=1)
+    conv = (nn.utils.parametrizations.spectral_norm if parametrized else nn.utils.spectral_norm)(conv)
+    return nn.Sequential(conv, nn.BatchNorm2d(4), nn.Tanh(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 10)).double()
+
+
+@pytest.mark.parametrize("model, buffer", [
+    (lambda: _spectral_normed(False), "'weight_u' of Conv2d 0"),
+    (lambda: _spectral_normed(True), "'_u' of _SpectralNorm 0.parametrizations.weight.0"),
+    (Counters, "'seen' of Counters (the model)"),  # changed in place; its outputs do not depend on it
+])
+def test_a_forward_that_changes_a_buffer_is_refused_and_changes_nothing(schedule_any, model, buffer):
+    """Each micro-batch's forward would change the buffer where the whole batch's changes it once, and the later
+    micro-batches would run with what the earlier ones left: 7e-3 off whole-batch torch's gradients with
+    torch.nn.utils.spectral_norm, without a word. The step is refused, naming the buffer, and rolled back. (The
+    passes schedule may find it first, as a forward that differs between its passes.)"""
+    torch.manual_seed(0)
+    model = model()
+    batch = data((6,), 8) if isinstance(model, Counters) else data((1, 8, 8), 8, torch.float64)
+    snap = snapshot(model)
+    with pytest.raises(ValueError) as error:
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+    if schedule_any != "passes" or isinstance(model, Counters):
+        assert f"changed the buffer {buffer}" in str(error.value) and "bn='micro'" in str(error.value), error.value
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("parametrized", [False, True])
+def test_a_spectral_norm_in_one_micro_batch_or_in_eval_mode_runs_as_torch(schedule, parametrized):
+    """One micro-batch is the whole batch: its forward changes the power iteration's buffer once, as torch's (but
+    under passes, which runs it 2L + 1 times, and refuses). In eval mode the spectral norm changes nothing, and the
+    BatchNorm in training is made exact."""
+    torch.manual_seed(0)
+    model, batch = _spectral_normed(parametrized), data((1, 8, 8), 8, torch.float64)
+    ref = copy.deepcopy(model)
+    if schedule == "passes":
+        with pytest.raises(ValueError, match="another input in a later pass"):
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=8, schedule=schedule)
+    else:
+        expected = whole_batch(ref, batch)
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=8, schedule=schedule)
+        assert rel_err(loss, expected) < 1e-12
+        compare(ref, model, 1e-9)
+    for m in (model, ref):
+        m[0].eval()
+    expected = whole_batch(ref, batch)
+    assert rel_err(accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule), expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+class Cache(nn.Module):
+    """A forward that registers its buffer anew at every call, with the same values: a cache, which the step keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10))
+        self.register_buffer("scale", torch.ones(6, dtype=torch.float64), persistent=False)
+
+    def forward(self, x):
+        self.register_buffer("scale", torch.ones(6, dtype=torch.float64), persistent=False)
+        return self.body(x * self.scale)
+
+
+def test_a_buffer_put_back_with_the_same_values_is_not_refused(schedule):
+    model, batch = Cache().double(), data((6,), 8, torch.float64)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    assert rel_err(accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule), expected) < 1e-12
+    compare(ref, model, 1e-9)
 
 
 class InterruptingAdd(torch.Tensor):

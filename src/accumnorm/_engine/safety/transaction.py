@@ -9,12 +9,14 @@ way. `commit` adds the step's gradients into the caller's in place, as autograd 
 that is a view of a flat buffer, or one the caller holds, stays that tensor), each copied aside first, so
 that until `backward` returns `rollback` can still restore them, even when an interrupt arrives in the
 middle of the merge. A lazy module (torch's `Lazy*` layers, accumnorm's norms built without a channel count) that
-the step's first forward materialized is made lazy again, and a buffer a forward registered is taken out.
+the step's first forward materialized is made lazy again, and a buffer a forward registered is taken out. A step
+whose forwards changed a buffer, other than the running statistics it updates itself once, is refused
+(`refuse_buffers_changed`): each micro-batch's forward changed it where the whole batch's would once.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -46,6 +48,7 @@ class Transaction:
         # replace it by another tensor; both are undone.
         self.buffers = [(m, name, b, b.clone()) for m in self.modules for name, b in m._buffers.items()
                         if b is not None and not is_lazy(b)]
+        self.versions: list[int] = []  # each buffer's version as the step's forwards found it (`begin`)
         # a buffer a failed step registered goes (a TorchScript module's C++ table registers none from Python)
         self.buffer_names = [tuple(m._buffers) if isinstance(m._buffers, dict) else None for m in self.modules]
         self.lazy = [_Lazy(m) for m in self.modules
@@ -60,6 +63,7 @@ class Transaction:
 
     def begin(self) -> None:
         """Set the caller's gradients aside: the step accumulates into fresh ones."""
+        self.versions = [b._version for _, _, b, _ in self.buffers]
         for p in self.params:
             p.grad = None
         for leaf, _ in self.leaves:
@@ -116,6 +120,27 @@ class Transaction:
                     "BatchNorm call, and some ran with the wrong ones. Nothing was changed. Swap the parameters "
                     "around the step instead of inside your function, or use schedule='passes', which runs each "
                     "micro-batch's forward alone")
+
+    def refuse_buffers_changed(self, micro_batches: int, kept: Callable[[nn.Module, str], bool]) -> None:
+        """Raise if the micro-batches' forwards changed a buffer of the model to other values (in place, or by
+        putting another tensor in its place), but those the step updates itself (`kept(module, name)`): each forward
+        changed it where the whole batch's would once, and each later micro-batch ran with what the earlier ones
+        left (a spectral norm's power iteration, a quantization observer, a queue of past outputs)."""
+        for (m, name, b, saved), version in zip(self.buffers, self.versions):
+            now = m._buffers.get(name)
+            if (now is b and b._version == version) or kept(m, name):
+                continue
+            if now is not None and (now.shape, now.dtype, now.device) == (saved.shape, saved.dtype, saved.device) \
+                    and torch.equal(now, saved):
+                continue  # put back with the same values: a cache registered again
+            layer = f"{type(m).__name__} {self.names.get(m) or '(the model)'}"
+            raise ValueError(
+                f"bn='exact': the micro-batches' forwards changed the buffer {name!r} of {layer}. Each of the "
+                f"{micro_batches} forwards changes it where the whole batch's forward would once, and each later "
+                "micro-batch runs with what the earlier ones left, so the step would not be the whole batch's. Nothing "
+                "was changed. Change such state outside the step (once, before or after it), keep the module in eval "
+                "mode for the step if it changes its state only in training, or pass bn='micro' for plain "
+                "accumulation")
 
     def rollback(self) -> None:
         """The gradients, parameters, buffers and train/eval modes as they were before the step."""

@@ -51,6 +51,7 @@ class Ledger:
         self.tracked_versions = {m: m.num_batches_tracked._version for m in tracked_before}
         self.batch_norms: list[tuple[BNCall, Moments, float | None]] = []  # recorded calls, to update at the end
         self.instance_norms: list[_InstanceNormStats] = []
+        self.norms: set[nn.Module] = set(tracked_before)  # the modules whose running statistics the step updates
 
     def record(self, call: BNCall, stats: Moments) -> float | None:
         """Note a BatchNorm call of the whole batch, with its statistics, for the running-statistics update; the
@@ -71,6 +72,8 @@ class Ledger:
     def count_call(self, call: BNCall) -> float | None:
         """Count a BatchNorm call of the whole batch; the factor its running statistics move by."""
         m = call.module
+        if m is not None:
+            self.norms.add(m)
         if call.counted:  # a BatchNorm layer's forward: torch counts it in num_batches_tracked
             self.calls_so_far[m] += 1
             if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
@@ -85,6 +88,7 @@ class Ledger:
                 "are not buffers of the model: make the layer part of the model")
         if index == len(self.instance_norms):
             self.instance_norms.append(_InstanceNormStats(call))
+            self.norms.add(call.module)
         entry = self.instance_norms[index]
         if entry.call.running_mean is not call.running_mean:
             raise ValueError(f"bn='exact' needs every micro-batch to make the same InstanceNorm calls in the same "
@@ -134,6 +138,12 @@ class Ledger:
         for m in self.tracked_before:
             by_device.setdefault(m.num_batches_tracked.device, []).append(m)
         return list(by_device.values())
+
+    def keeps(self, module: nn.Module, buffer: str) -> bool:
+        """Whether the step updates `module`'s buffer itself, once for the whole batch: a norm's running statistics
+        and counter, and the state of a layer that ends each step itself (`accumnorm_step_end`)."""
+        return ((module in self.norms and buffer in ("running_mean", "running_var", "num_batches_tracked"))
+                or hasattr(type(module), "accumnorm_step_end"))
 
     def check_every_call_seen(self, names: Mapping[nn.Module, str]) -> None:
         """Each BatchNorm forward in training bumps num_batches_tracked: every bump must be a call the step saw.

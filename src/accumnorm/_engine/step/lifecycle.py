@@ -114,6 +114,8 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
         if call.exact:
             transaction.refuse_parameters_replaced()
             step.ledger.check_every_call_seen(step.names)
+            if len(call.micro_batches) > 1:  # one forward of the whole batch changes state as torch's does
+                transaction.refuse_buffers_changed(len(call.micro_batches), step.ledger.keeps)
             step.ledger.update_running_stats()
         for m in transaction.modules:
             if hasattr(type(m), "accumnorm_step_end"):
