@@ -257,6 +257,38 @@ def test_a_failed_step_restores_every_buffer_and_gradient(schedule, bn):
     assert model.ema is ema  # the replaced buffer is the very tensor it was
 
 
+class Resizing(nn.Module):
+    """A buffer that starts empty and that the forward resizes in place, as a quantization observer's min and max do at
+    their first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10))
+        self.register_buffer("low", torch.empty(0))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.low.resize_(x.shape[1]).copy_(x.amin(0))
+        return self.body(x)
+
+
+@pytest.mark.parametrize("bn", ["exact", "micro"])
+def test_a_failed_step_puts_back_a_buffer_its_forward_resized(schedule, bn):
+    """The rollback copied the saved values into the resized buffer and failed on the shapes, hiding the step's own
+    error and leaving the rest half restored; the buffer is now the very tensor it was, empty again."""
+    model, batch = Resizing(), data((6,), 8)
+    low, snap = model.low, snapshot(model)
+
+    def loss_fn(m, b):
+        ce_loss(m, b)  # the forward resizes the buffer
+        raise RuntimeError("the loss failed")
+
+    with pytest.raises(RuntimeError, match="the loss failed"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, bn=bn, schedule=schedule)
+    assert model.low is low and model.low.shape == (0,)
+    assert_unchanged(model, snap)
+
+
 def _spectral_normed(parametrized: bool) -> nn.Module:
     """conv-BN with the convolution's weight spectrally normalized: each training forward takes a step of power
     iteration, changing the buffer `weight_u` (torch.nn.utils.spectral_norm) or `_u` (its parametrization) in place."""

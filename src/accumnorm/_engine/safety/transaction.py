@@ -167,6 +167,8 @@ class Transaction:
         with torch.no_grad():
             for m, name, b, saved in self.buffers:
                 m._buffers[name] = b
+                if b.shape != saved.shape:  # resized in place (an observer's, from empty at its first forward)
+                    b.resize_(saved.shape)
                 b.copy_(saved)
 
 
