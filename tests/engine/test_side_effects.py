@@ -319,6 +319,28 @@ def test_a_forward_that_changes_a_buffer_is_refused_and_changes_nothing(schedule
     assert_unchanged(model, snap)
 
 
+def test_quantization_aware_training_whose_observers_change_their_buffers_is_refused(schedule_any):
+    """torch.ao's QAT observers update their min, max and scale at every forward, in a fused op that changes the
+    buffers without counting a version: compared by value, the step is refused, naming one, and undone. (The
+    passes schedule may find it first, as a forward that differs between its passes.)"""
+    import torch.ao.quantization as quantization
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(4, 10)).train()
+    model.qconfig = quantization.get_default_qat_qconfig("x86")
+    model = quantization.prepare_qat(model)
+    batch = data((1, 8, 8), 8)
+    model(batch[0])  # the observers' first forward sizes their buffers
+    snap = snapshot(model)
+    refusal = r"changed the buffer '\w+' of FusedMovingAvgObsFakeQuantize"
+    if schedule_any == "passes":  # which may find it first as a forward that differs between its passes
+        refusal += "|another input in a later pass"
+    with pytest.raises(ValueError, match=refusal):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+    assert_unchanged(model, snap)
+
+
 @pytest.mark.parametrize("parametrized", [False, True])
 def test_a_spectral_norm_in_one_micro_batch_or_in_eval_mode_runs_as_torch(schedule, parametrized):
     """One micro-batch is the whole batch: its forward changes the power iteration's buffer once, as torch's (but

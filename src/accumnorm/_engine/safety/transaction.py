@@ -48,7 +48,6 @@ class Transaction:
         # replace it by another tensor; both are undone.
         self.buffers = [(m, name, b, b.clone()) for m in self.modules for name, b in m._buffers.items()
                         if b is not None and not is_lazy(b)]
-        self.versions: list[int] = []  # each buffer's version as the step's forwards found it (`begin`)
         # a buffer a failed step registered goes (a TorchScript module's C++ table registers none from Python)
         self.buffer_names = [tuple(m._buffers) if isinstance(m._buffers, dict) else None for m in self.modules]
         self.lazy = [_Lazy(m) for m in self.modules
@@ -63,7 +62,6 @@ class Transaction:
 
     def begin(self) -> None:
         """Set the caller's gradients aside: the step accumulates into fresh ones."""
-        self.versions = [b._version for _, _, b, _ in self.buffers]
         for p in self.params:
             p.grad = None
         for leaf, _ in self.leaves:
@@ -122,17 +120,16 @@ class Transaction:
                     "micro-batch's forward alone")
 
     def refuse_buffers_changed(self, micro_batches: int, kept: Callable[[nn.Module, str], bool]) -> None:
-        """Raise if the micro-batches' forwards changed a buffer of the model to other values (in place, or by
-        putting another tensor in its place), but those the step updates itself (`kept(module, name)`): each forward
-        changed it where the whole batch's would once, and each later micro-batch ran with what the earlier ones
-        left (a spectral norm's power iteration, a quantization observer, a queue of past outputs)."""
-        for (m, name, b, saved), version in zip(self.buffers, self.versions):
+        """Raise if the micro-batches' forwards left a buffer of the model with other values than it held before the
+        step (changed in place, or another tensor put in its place), but those the step updates itself (`kept(module,
+        name)`): each forward changed it where the whole batch's would once, and each later micro-batch ran with what
+        the earlier ones left (a spectral norm's power iteration, a quantization observer, a queue of past outputs).
+        Values, not version counters: a fused observer's op changes its buffers in place without counting it."""
+        for m, name, _, saved in self.buffers:
             now = m._buffers.get(name)
-            if (now is b and b._version == version) or kept(m, name):
-                continue
-            if now is not None and (now.shape, now.dtype, now.device) == (saved.shape, saved.dtype, saved.device) \
-                    and torch.equal(now, saved):
-                continue  # put back with the same values: a cache registered again
+            if kept(m, name) or (now is not None and (now.shape, now.dtype, now.device) == (
+                    saved.shape, saved.dtype, saved.device) and torch.equal(now, saved)):
+                continue  # a buffer put back with the same values (a cache registered again) is the same
             layer = f"{type(m).__name__} {self.names.get(m) or '(the model)'}"
             raise ValueError(
                 f"bn='exact': the micro-batches' forwards changed the buffer {name!r} of {layer}. Each of the "
