@@ -3,11 +3,11 @@
 On a GPU, running out of memory is an exception the step can recover from; on a CPU, it is the kernel
 killing the process. So "auto" chooses before the memory is used, from measured figures: a step's need is
 the bytes of tensors its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage
-counted once, parameters not at all), per sample, as this model's last step with micro-batches of this size and
-shape measured them, times the step's samples (never fewer than it measured: a need has parts of one micro-batch's
-size, which do not shrink with the batch), plus the gradients it makes. A lockstep also holds, at each met
-BatchNorm call, every micro-batch's piece of the call's input and output at once, which its forwards need not
-keep: the meter counts them for that moment (`Meter.beside`), and a figure is the most it counted at once.
+counted once, parameters and views of them not at all), per sample, as this model's last step with micro-batches
+of this size and shape measured them, times the step's samples (never fewer than it measured: a need has parts of
+one micro-batch's size, which do not shrink with the batch), plus the gradients it makes. A lockstep also holds,
+at each met BatchNorm call, every micro-batch's piece of the call's input and output at once, which its forwards
+need not keep: the meter counts them for that moment (`Meter.beside`), and a figure is the most it counted at once.
 Layerwise runs when its need fits the budget, recompute when its does, then segments at each of its settings,
 passes otherwise. A step with no figure yet runs metered: the meter stops it (`OverBudget`) as soon as what it
 keeps would pass the budget, before it does, and the step starts over in the next schedule. The figure of a
