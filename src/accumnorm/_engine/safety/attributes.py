@@ -6,30 +6,18 @@ schedule that runs it again (passes, once per pass; recompute and segments, when
 layerwise) gives each run the attributes as the step found them (`restore`). An attribute is the same while it
 holds the same object: a value changed in place inside one (a list appended to) is not seen. A lazy module,
 whose first forward changes its class and attributes, is left out (the transaction puts it back as it was if the
-step fails). The interleaved schedules refuse a step whose forwards changed a number a module held (`refuse_changed`):
-each micro-batch's forward changed it where the whole batch's would once.
+step fails).
 """
 from __future__ import annotations
 
-import numbers
 import operator
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["ModuleAttributes", "StateChanged", "differs"]
-
-
-class StateChanged(ValueError):
-    """The interleaved micro-batches' forwards changed a number a module held (`ModuleAttributes.refuse_changed`);
-    `reason` says which, in a few words."""
-
-    def __init__(self, message: str, reason: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+__all__ = ["ModuleAttributes", "differs"]
 
 
 class ModuleAttributes:
@@ -45,30 +33,6 @@ class ModuleAttributes:
             if differs(before, now) is not None:
                 now.clear()
                 now.update(before)
-
-    def refuse_changed(self, names: dict[nn.Module, str], micro_batches: int) -> None:
-        """Raise, with every attribute put back, if the micro-batches' interleaved forwards gave a module's number
-        (an int, float or bool attribute it held before the step; not `training`, whose modes the step keeps) another
-        value: each forward changed it where the whole batch's would once, and each later micro-batch ran with what
-        the earlier ones left (a counter that anneals a temperature, a scheduler stepped per forward). A tensor kept
-        on a module (a hook's stash) is the graphs' to check (`graphs`), a registered buffer the transaction's."""
-        for m, before in self.saved.items():
-            now = vars(m)
-            if differs(before, now) is None:
-                continue
-            key = next((key for key, value in before.items() if key != "training" and _number(value)
-                        and key in now and (not _number(now[key]) or now[key] != value)), None)
-            if key is None:
-                continue
-            self.restore()
-            what = (f"the micro-batches' interleaved forwards changed the attribute {key!r} of {type(m).__name__} "
-                    f"{names.get(m) or '(the model)'} from {before[key]!r}")
-            raise StateChanged(
-                f"bn='exact': {what}. Each of the {micro_batches} forwards changes it where the whole batch's forward "
-                "would once, and each later micro-batch runs with what the earlier ones left, so the step would not "
-                "be the whole batch's. Nothing was changed. Use schedule='passes' (\"auto\" does), which gives each "
-                "forward the attributes as the step found them, change such state outside the step (once, before or "
-                "after it), or pass bn='micro' for plain accumulation", what)
 
     def close(self) -> None:
         """Let go of the attributes saved (they may hold the step's own forwards, and through them the step)."""
@@ -89,7 +53,3 @@ def differs(before: dict[str, Any], now: dict[str, Any]) -> str | None:
         return None
     return next((key for key in before.keys() | now.keys() if before.get(key, _MISSING) is not now.get(key, _MISSING)),
                 None)  # the same attributes in another order
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, numbers.Number) and not isinstance(value, torch.Tensor)

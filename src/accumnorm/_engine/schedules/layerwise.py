@@ -130,9 +130,8 @@ class _Lockstep:
         finally:
             step.rng.end_turns()
             self.coroutines = []
-        if grads_before is not None:  # more than one micro-batch
+        if grads_before is not None:
             step.refuse_grads_changed(grads_before, "each micro-batch's forward once")
-            step.attributes.refuse_changed(step.names, len(k_all))  # before a whole-batch loss, which runs once
         if step.objective.whole:  # one loss over every micro-batch's outputs
             step.graphs.check(list(zip(k_all, ends)))
             loss, scaled = step.whole_loss(lambda: step.objective.loss(concatenate(ends)))
