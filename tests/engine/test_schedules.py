@@ -670,13 +670,15 @@ def _anneal_after_the_forward(model: nn.Module, batch) -> torch.Tensor:
     return loss
 
 
-@pytest.mark.parametrize("schedule", ["passes", "recompute", "segments"])
+@pytest.mark.parametrize("schedule", ["passes", "recompute", "segments", "layerwise"])
 def test_an_attribute_loss_fn_sets_after_the_forward_is_not_read_by_a_run_again(schedule):
     """Whole-batch torch runs the forward once, at the attributes the step found. Passes runs it again for every pass,
     and a temperature loss_fn set after the first run's forward made the later runs' gradient another one, with every
     BatchNorm input and the loss the same: silently wrong. Recompute and segments found the change and ran the step
     again under layerwise, which then read the new temperature: silently wrong after a warning that said otherwise.
-    Each run again now finds the attributes as the step found them; after the step they are as the forward left them."""
+    Each run again now finds the attributes as the step found them; after the step they are as the forward left them.
+    Layerwise reads it in no later forward, and every micro-batch sets the one value: not a number each forward moves
+    (`safety.writes`), so not refused."""
     ref, ours = _annealing_net(), _annealing_net()
     batch = data((1, 6, 6), 8, torch.float64)
     expected = _anneal_after_the_forward(ref, batch)

@@ -2,6 +2,7 @@
 half-precision models, running statistics of every kind, rollback of every buffer, and calls it cannot see."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import signal
 import subprocess
@@ -360,6 +361,67 @@ def test_a_spectral_norm_in_one_micro_batch_or_in_eval_mode_runs_as_torch(schedu
         m[0].eval()
     expected = whole_batch(ref, batch)
     assert rel_err(accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule), expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+class Annealed(nn.Module):
+    """A forward that counts itself in a Python attribute and scales its features by the count (a temperature annealed
+    per forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+        self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Tanh())
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.head((self.body(x) * (1 + 0.1 * self.forwards)).mean((2, 3)))
+
+
+def test_a_forward_that_changes_a_number_on_a_module_is_refused_but_under_passes(schedule_any):
+    """The interleaved micro-batches' forwards each counted up where the whole batch's counts once, and the later ones
+    scaled by the higher counts: 2e-2 off whole-batch torch's gradients, and 4 counted for torch's 1, without a word.
+    Those schedules refuse it, naming the attribute, with the count put back; passes gives each forward the attributes
+    as the step found them, and is exact, counting once; "auto" runs passes, saying why."""
+    torch.manual_seed(0)
+    model, batch = Annealed().double(), data((1, 8, 8), 8, torch.float64)
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    snap = snapshot(model)
+    if schedule_any not in ("passes", "auto"):
+        with pytest.raises(ValueError, match="4 of the micro-batches' interleaved forwards changed the attribute "
+                                             "'forwards' of Annealed .*'passes'"):
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+        assert_unchanged(model, snap)
+        assert model.forwards == 0
+        return
+    with pytest.warns(RuntimeWarning, match="running the passes schedule.*changed the attribute 'forwards'") \
+            if schedule_any == "auto" else contextlib.nullcontext():
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+    assert model.forwards == ref.forwards == 1
+    assert accumnorm.last_schedule(model).schedule == "passes"
+
+
+@pytest.mark.parametrize("schedule", ["layerwise", "recompute", "segments"])
+def test_a_whole_batch_loss_that_changes_a_number_on_the_model_runs_once_and_is_not_refused(schedule):
+    """A loss of the whole batch runs once, as torch's: a number it counts up on the model is the whole batch's."""
+    torch.manual_seed(0)
+    model, (x, y) = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 10)).double(), \
+        data((6,), 8, torch.float64)
+    model.losses = 0
+
+    def batch_loss(outputs, targets):
+        model.losses += 1
+        return F.cross_entropy(outputs, targets)
+
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, (x, y))
+    loss = accumnorm.backward(model, x, micro_batch_size=2, forward_fn=lambda m, xb: m(xb), batch_loss_fn=batch_loss,
+                              targets=y, schedule=schedule)
+    assert rel_err(loss, expected) < 1e-12 and model.losses == 1
     compare(ref, model, 1e-9)
 
 

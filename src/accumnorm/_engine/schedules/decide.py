@@ -6,10 +6,11 @@ layerwise, with a warning, where a region's forward changed its state (`RegionSt
 at a time (GradCache's scheme, exact there); otherwise the schedules of the table (`registry`) are judged in
 order by this model's figure for batches of this shape, when an earlier step measured one, before they run;
 without a figure one runs metered, and stops once what it keeps would pass the budget (`memory.budget`). On
-CUDA, an out-of-memory error sends the step to the next schedule as well; the table's unmetered schedule
-(passes) is the last resort. Under a process group every rank runs the same schedule (its met calls are
-collectives): the ranks agree on one before the step, from the figures of earlier steps, and it runs to the
-end, measuring for the next step.
+CUDA, an out-of-memory error sends the step to the next schedule as well, and interleaved forwards that each moved
+a number on a module (`StateChanged`) send it to passes, which gives each run the attributes anew; the table's
+unmetered schedule (passes) is the last resort. Under a process group every rank runs the same schedule (its met
+calls are collectives): the ranks agree on one before the step, from the figures of earlier steps, and it runs to
+the end, measuring for the next step.
 
 Each schedule tried gets a fresh `Step` from `new_step()`; one that cannot run the step exactly is undone by
 `start_over` before the next begins, so the step that returns is the one that ran from the start. What ran and
@@ -46,6 +47,7 @@ from ..memory.budget import (
     stopped_figures,
 )
 from ..memory.store import Store
+from ..safety.writes import StateChanged
 from ..step.step import Step
 from .base import Schedule
 from .registry import SCHEDULES
@@ -174,6 +176,9 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
             reasons.append(f"{name} would keep more than {format_bytes(budget)} (this step's meter stopped it first)")
         except torch.OutOfMemoryError as e:
             reasons.append(f"{name} ran out of memory ({e})")
+        except StateChanged as e:  # so would every interleaved schedule: passes gives each run the attributes anew
+            reasons.append(e.reason)
+            refused.update(s.name for s in _by_memory())
         else:
             if why is None:
                 if meter is not None:
