@@ -99,8 +99,10 @@ class _Passes:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
                 torchs_refusals_said():
             self._statistics()
+            finished = None  # the modules' attributes as whole-batch torch's one run leaves them, for after the step
             if self.step.objective.whole:
                 self._output_gradients()
+                finished = ModuleAttributes(self.step.modules)  # every forward, and the loss over all their outputs
             self.grads_before = self.step.grad_versions()
             # The bottom half gets correction passes; with a module's full backward hook in the model, none does: such
             # a hook sees no gradient that enters the module's input without leaving its output, as a correction does.
@@ -108,7 +110,8 @@ class _Passes:
             for j in reversed(range(t, len(self.calls))):
                 self._sums_pass(j)
             self._full_pass(t)
-            finished = ModuleAttributes(self.step.modules)  # as the last complete run left them, for after the step
+            if finished is None:
+                finished = ModuleAttributes(self.step.modules)  # as the last complete run (forward and loss) left them
             for j in reversed(range(t)):
                 self._finish_sums(self.calls[j])
                 self._correction_pass(j)
