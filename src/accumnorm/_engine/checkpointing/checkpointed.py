@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_unflatten
 
+from ..intercept.forwards import BATCH_NORM_BUFFERS
 from ..safety import untraced
 from ..safety.attributes import differs
 from ..safety.flatten import flatten
@@ -40,8 +41,6 @@ from .recomputation import Metadata, RegionFrame
 from .regions import Region, Run, record_saved, region_modules
 
 __all__ = ["RegionCall", "RegionState", "RegionStateChanged", "checkpointed", "patched"]
-
-_STEP_STATE = ("running_mean", "running_var", "num_batches_tracked")  # a BatchNorm's, kept by the step itself
 
 
 Own = Callable[[Any, "Region"], None]  # told of each region call's checkpoint frame in the forward
@@ -202,7 +201,7 @@ class RegionState:
         modules = list(dict.fromkeys(m for ms in self.regions.values() for m in ms))
         self.attributes = {m: dict(vars(m)) for m in modules}
         self.buffers = [(m, name, b, b._version) for m in modules for name, b in m._buffers.items()
-                        if b is not None and not (isinstance(m, _BatchNorm) and name in _STEP_STATE)]
+                        if b is not None and not (isinstance(m, _BatchNorm) and name in BATCH_NORM_BUFFERS)]
         self.called_otherwise: tuple[nn.Module, str] | None = None  # a module and attribute, at a region call
 
     def called(self, region: Region) -> None:

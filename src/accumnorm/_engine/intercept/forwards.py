@@ -37,7 +37,7 @@ from ..safety import untraced
 from .calls import NormCalls
 from .torchs import torchs_code
 
-__all__ = ["CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards"]
+__all__ = ["BATCH_NORM_BUFFERS", "CONVOLUTIONS", "TORCH_FORWARD_SHA256", "step_forwards"]
 
 _C = torch._C
 
@@ -181,7 +181,8 @@ def _tensors(layer: _BatchNorm) -> tuple[Any, ...]:
                 parameters["weight"], parameters["bias"])
     except KeyError:
         tracked = layer.track_running_stats
-        return (*(getattr(layer, name) if tracked else None for name in _BUFFERS), layer.weight, layer.bias)
+        return (*(getattr(layer, name) if tracked else None for name in BATCH_NORM_BUFFERS), layer.weight, layer.bias)
 
 
-_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+# a BatchNorm layer's buffers: its running statistics and counter, which an exact step updates itself
+BATCH_NORM_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")

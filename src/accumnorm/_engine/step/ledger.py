@@ -23,6 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..._dist import Collectives
 from ...functional import Moments, update_running_stats_
 from ..intercept.calls import BNCall, INCall, describe
+from ..intercept.forwards import BATCH_NORM_BUFFERS
 
 __all__ = ["Ledger"]
 
@@ -142,7 +143,7 @@ class Ledger:
     def keeps(self, module: nn.Module, buffer: str) -> bool:
         """Whether the step updates `module`'s buffer itself, once for the whole batch: a norm's running statistics
         and counter, and the state of a layer that ends each step itself (`accumnorm_step_end`)."""
-        return ((module in self.norms and buffer in ("running_mean", "running_var", "num_batches_tracked"))
+        return ((module in self.norms and buffer in BATCH_NORM_BUFFERS)
                 or hasattr(type(module), "accumnorm_step_end"))
 
     def check_every_call_seen(self, names: Mapping[nn.Module, str]) -> None:
