@@ -4,17 +4,17 @@ Under the interleaved schedules the K forwards run in turns. A number each forwa
 temperature, a scheduler stepped per call) is moved K times where whole-batch torch moves it once, and the later
 micro-batches run with what the earlier ones left. A number every micro-batch sets to one value (the next step's
 temperature, set once the forward is over) is changed by the first alone, and ends as the whole batch's. So while
-the forwards run, `nn.Module.__setattr__` notes which micro-batch's turn it is when a module's int, float or bool
-attribute gets another value than it holds (`training` aside: the step keeps the modes itself); a number two
-micro-batches or more changed is refused (`StateChanged`). An attribute set through `vars(module)`, or by a class
-whose own `__setattr__` does not call nn.Module's, is not seen.
+the forwards run, `nn.Module.__setattr__` (patched for an exact step's length: `numbers_noted`) notes which
+micro-batch's turn it is when a module's int, float or bool attribute gets another value than it holds (`training`
+aside: the step keeps the modes itself); a number two micro-batches or more changed is refused (`StateChanged`). An
+attribute set through `vars(module)`, or by a class whose own `__setattr__` does not call nn.Module's, is not seen.
 """
 from __future__ import annotations
 
 import numbers
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from .shared import WhileStepsRun
 
-__all__ = ["NumberWrites", "StateChanged"]
+__all__ = ["NumberWrites", "StateChanged", "numbers_noted"]
 
 
 class StateChanged(ValueError):
@@ -47,6 +47,12 @@ _SETATTR = WhileStepsRun(lambda: nn.Module.__dict__["__setattr__"], lambda f: se
                          lambda before: _noting_setattr)
 
 
+def numbers_noted() -> AbstractContextManager[None]:
+    """For an exact step's length: `nn.Module.__setattr__` tells the `NumberWrites` its thread's forwards run under
+    (`NumberWrites.begin`), if any; elsewhere it does what it did."""
+    return _SETATTR.held()
+
+
 class NumberWrites:
     """The numbers of modules that each micro-batch's turns changed (module doc); `current()` is the micro-batch whose
     turn it is (None between turns)."""
@@ -55,15 +61,12 @@ class NumberWrites:
         self.current = current
         self.changed: dict[tuple[int, str], tuple[nn.Module, set[int]]] = {}
 
-    @contextmanager
-    def noting(self) -> Iterator[None]:
-        """Note the writes of this thread's forwards for the block."""
-        with _SETATTR.held():
-            _NOTING.writes = self
-            try:
-                yield
-            finally:
-                _NOTING.writes = None
+    def begin(self) -> None:
+        """Note the writes of this thread's forwards from now (under `numbers_noted`)."""
+        _NOTING.writes = self
+
+    def end(self) -> None:
+        _NOTING.writes = None
 
     def saw(self, module: nn.Module, name: str, value: Any) -> None:
         k = self.current()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextvars
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import greenlet
@@ -93,13 +92,12 @@ class _Lockstep:
         step, k_all = self.step, range(len(self.step.micro_batches))
         self.base = ThreadState.capture()
         grads_before = step.grad_versions() if len(k_all) > 1 else None
-        writes = NumberWrites(self._running) if len(k_all) > 1 else None
+        writes = NumberWrites(self._running)
         context = contextvars.copy_context()
         self.coroutines = [greenlet.greenlet(self._forward) for _ in k_all]
         for g in self.coroutines:
             g.gr_context = context.copy()  # contextvars as the caller's, but each coroutine's own
-        noting = writes.noting() if writes is not None else nullcontext()
-        noting.__enter__()
+        writes.begin()
         try:
             ends = [self._resume(k, k) for k in k_all]
             index = exits = 0
@@ -133,12 +131,12 @@ class _Lockstep:
             self._abort()
             raise
         finally:
-            noting.__exit__(None, None, None)
+            writes.end()
             step.rng.end_turns()
             self.coroutines = []
-        if grads_before is not None and writes is not None:  # more than one micro-batch
+        if grads_before is not None:  # more than one micro-batch
             step.refuse_grads_changed(grads_before, "each micro-batch's forward once")
-            writes.refuse_moved_by_several(step.names, len(k_all), step.attributes.restore)  # before a whole-batch loss
+        writes.refuse_moved_by_several(step.names, len(k_all), step.attributes.restore)  # before a whole-batch loss
         if step.objective.whole:  # one loss over every micro-batch's outputs
             step.graphs.check(list(zip(k_all, ends)))
             loss, scaled = step.whole_loss(lambda: step.objective.loss(concatenate(ends)))
