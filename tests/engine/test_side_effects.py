@@ -405,6 +405,51 @@ def test_a_forward_that_changes_a_number_on_a_module_is_refused_but_under_passes
     assert accumnorm.last_schedule(model).schedule == "passes"
 
 
+def test_a_step_sets_nothing_on_nn_module_once_it_has_run():
+    """A method set on nn.Module makes Python drop what it caches of every module class's attributes: over a millisecond
+    a step, twice, where timm and transformers are loaded. The noting `__setattr__` is installed at the first exact
+    step and kept, so a later step finds nn.Module's own attributes as they were before it, and leaves them so."""
+    model, batch = vgg().double(), data((1, 8, 8), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=8)
+    before = dict(vars(nn.Module))
+    during = []
+
+    def loss_fn(m, b):
+        during.append(dict(vars(nn.Module)))
+        return ce_loss(m, b)
+
+    accumnorm.backward(model, batch, loss_fn, micro_batch_size=4, schedule="layerwise")
+    for seen in (*during, dict(vars(nn.Module))):
+        assert seen.keys() == before.keys() and all(seen[k] is before[k] for k in before)
+
+
+@pytest.mark.parametrize("calls_on", [True, False])
+def test_a_setattr_another_library_set_on_nn_module_is_kept_and_numbers_are_still_refused(calls_on):
+    """A library that wraps nn.Module.__setattr__ after a step has run: its wrapper runs once per attribute set, in
+    steps too, and a number two micro-batches' forwards change is still refused, whether the wrapper calls on to the
+    `__setattr__` it found (the step's) or to torch's own, which the step then wraps again."""
+    model, batch = Annealed().double(), data((1, 8, 8), 8, torch.float64)
+    accumnorm.backward(model, batch, ce_loss, micro_batch_size=8)
+    found, torchs = vars(nn.Module)["__setattr__"], torch.nn.Module.__dict__["__setattr__"]
+    while getattr(torchs, "__module__", "").startswith("accumnorm"):  # torch's own, under the step's
+        torchs = sys.modules[torchs.__module__]._replaced
+    seen = []
+
+    def wrapper(module, name, value):
+        seen.append(name)
+        (found if calls_on else torchs)(module, name, value)
+
+    nn.Module.__setattr__ = wrapper
+    try:
+        snap, count = snapshot(model), model.forwards
+        with pytest.raises(ValueError, match="changed the attribute 'forwards' of Annealed"):
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule="layerwise")
+        assert_unchanged(model, snap)
+        assert model.forwards == count and seen.count("forwards") == 4
+    finally:
+        nn.Module.__setattr__ = found
+
+
 def test_a_whole_batch_loss_that_changes_a_number_on_the_model_runs_once_and_is_not_refused(schedule):
     """A loss of the whole batch runs once, as torch's: a number it counts up on the model is the whole batch's. Under
     passes the count was lost: each later pass gave the forwards the attributes as the step found them, and the step

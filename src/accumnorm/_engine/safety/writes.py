@@ -4,25 +4,27 @@ Under the interleaved schedules the K forwards run in turns. A number each forwa
 temperature, a scheduler stepped per call) is moved K times where whole-batch torch moves it once, and the later
 micro-batches run with what the earlier ones left. A number every micro-batch sets to one value (the next step's
 temperature, set once the forward is over) is changed by the first alone, and ends as the whole batch's. So while
-the forwards run, `nn.Module.__setattr__` (patched for an exact step's length: `numbers_noted`) notes which
-micro-batch's turn it is when a module's int, float or bool attribute gets another value than it holds (`training`
-aside: the step keeps the modes itself); a number two micro-batches or more changed is refused (`StateChanged`). An
-attribute set through `vars(module)`, or by a class whose own `__setattr__` does not call nn.Module's, is not seen.
+the forwards run, `nn.Module.__setattr__` notes which micro-batch's turn it is when a module's int, float or bool
+attribute gets another value than it holds (`training` aside: the step keeps the modes itself); a number two
+micro-batches or more changed is refused (`StateChanged`). An attribute set through `vars(module)`, or by a class
+whose own `__setattr__` does not call nn.Module's, is not seen.
+
+Why the noting `__setattr__` is installed at the first exact step and then kept, where the step's other process-wide
+settings are put back as it ends: a method set on `nn.Module` makes Python drop what it cached of every module
+class's attributes (over a millisecond a step, twice, in a process with timm and transformers loaded). Outside a
+step it only calls the `__setattr__` it replaced.
 """
 from __future__ import annotations
 
 import numbers
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .shared import WhileStepsRun
-
-__all__ = ["NumberWrites", "StateChanged", "numbers_noted"]
+__all__ = ["NumberWrites", "StateChanged", "install_noting"]
 
 
 class StateChanged(ValueError):
@@ -37,20 +39,37 @@ _NOTING = threading.local()  # .writes: the NumberWrites of the step whose forwa
 
 
 def _noting_setattr(module: nn.Module, name: str, value: Any) -> None:
-    writes = getattr(_NOTING, "writes", None)
-    if writes is not None:
-        writes.saw(module, name, value)
-    _SETATTR.before(module, name, value)
+    if module is _PROBE:
+        _NOTING.probed = True
+    else:
+        writes = getattr(_NOTING, "writes", None)
+        if writes is not None:
+            writes.saw(module, name, value)
+    _replaced(module, name, value)
 
 
-_SETATTR = WhileStepsRun(lambda: nn.Module.__dict__["__setattr__"], lambda f: setattr(nn.Module, "__setattr__", f),
-                         lambda before: _noting_setattr)
+_replaced = nn.Module.__dict__["__setattr__"]  # what `_noting_setattr` calls: the `__setattr__` it replaced
+_PROBE = nn.Module()  # set by `_reached` to learn whether nn.Module.__setattr__ reaches `_noting_setattr`
+_INSTALLING = threading.Lock()
 
 
-def numbers_noted() -> AbstractContextManager[None]:
-    """For an exact step's length: `nn.Module.__setattr__` tells the `NumberWrites` its thread's forwards run under
-    (`NumberWrites.begin`), if any; elsewhere it does what it did."""
-    return _SETATTR.held()
+def install_noting() -> None:
+    """Make `nn.Module.__setattr__` tell the `NumberWrites` its thread's forwards run under (`NumberWrites.begin`), if
+    any: at an exact step's start. Installed once (module doc), and again around whatever replaced it since, unless
+    that calls it on."""
+    global _replaced
+    if nn.Module.__dict__["__setattr__"] is not _noting_setattr:
+        with _INSTALLING:
+            if not _reached():
+                _replaced = nn.Module.__dict__["__setattr__"]
+                nn.Module.__setattr__ = _noting_setattr
+
+
+def _reached() -> bool:
+    """Whether nn.Module.__setattr__ calls `_noting_setattr` (a wrapper another library set around it since)."""
+    _NOTING.probed = False
+    nn.Module.__setattr__(_PROBE, "probe", 0)
+    return _NOTING.probed
 
 
 class NumberWrites:
@@ -62,7 +81,7 @@ class NumberWrites:
         self.changed: dict[tuple[int, str], tuple[nn.Module, set[int]]] = {}
 
     def begin(self) -> None:
-        """Note the writes of this thread's forwards from now (under `numbers_noted`)."""
+        """Note the writes of this thread's forwards from now (under `install_noting`)."""
         _NOTING.writes = self
 
     def end(self) -> None:

@@ -26,7 +26,7 @@ from ..safety.rng import StepRng
 from ..safety.shared import WhileStepsRun
 from ..safety.threadstate import ThreadState
 from ..safety.transaction import Transaction
-from ..safety.writes import numbers_noted
+from ..safety.writes import install_noting
 from .step import Step, StepCall
 
 __all__ = ["run_in_transaction", "step_running"]
@@ -64,7 +64,8 @@ _COLLECTOR_OFF = WhileStepsRun(gc.isenabled, _set_collector, lambda enabled: Fal
 def _exact_forwards(modules: list[nn.Module]) -> Iterator[None]:
     """For an exact step's length: the step forwards of torch's layers, higher-order ops that dynamo traces where
     the step sees their norms, or refuses (`higher_order`), and the numbers modules set noted (`writes`)."""
-    with step_forwards(modules), higher_order_ops_in_step(), numbers_noted():
+    install_noting()
+    with step_forwards(modules), higher_order_ops_in_step():
         yield
 
 
