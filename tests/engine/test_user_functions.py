@@ -147,6 +147,21 @@ def teacher_under_no_grad(m, b):
     return F.cross_entropy(m(b[0]), target)
 
 
+def zeroes_the_gradients(m, b):
+    """A closure ported as it was: zero_grad, then the loss. Under passes, a later pass's forward cleared what the
+    earlier passes' backwards had made (off by the gradient's size, without a word): the step's forwards now find
+    .grad as the whole batch's one forward does, before any backward of the step."""
+    m.zero_grad(set_to_none=False)
+    return ce_loss(m, b)
+
+
+def clips_the_gradients(m, b):
+    """A clip in loss_fn: nothing to clip before the whole batch's backward; under passes it cut the passes' gradients
+    made so far."""
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+    return ce_loss(m, b)
+
+
 def _scaled_grad_input(module, grad_input, grad_output):
     return tuple(None if g is None else 0.5 * g for g in grad_input)
 
@@ -189,6 +204,8 @@ PASSES_CASES = {  # name: (model, loss_fn, micro-batch size, refusal or None)
     "loss_fn hooks an inner tensor": (net, hooks_its_features, 2, None),
     "custom Function on the output": (net, custom_function_on_the_output, 2, None),
     "custom Function between BatchNorms": (net, custom_function_between_batch_norms, 2, None),
+    "loss_fn zeroes the gradients": (net, zeroes_the_gradients, 2, None),
+    "loss_fn clips the gradients": (net, clips_the_gradients, 2, None),
     "empty masked piece": (net, selected, 2, None),
     "frozen features under no_grad": (net, frozen_features_under_no_grad, 2, None),
     "frozen features under no_grad, one micro-batch": (net, frozen_features_under_no_grad, 8, None),

@@ -91,7 +91,6 @@ class _Passes:
         self.instance_norms = 0  # InstanceNorm calls seen so far in its current forward
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
-        self.grads_before = step.grad_versions()  # the parameters' .grad before the full pass
         self.runs = SameRuns()  # each micro-batch's BatchNorm inputs and loss, as its first run gave them
         self.running = RunningStatistics()
 
@@ -103,7 +102,6 @@ class _Passes:
             if self.step.objective.whole:
                 self._output_gradients()
                 finished = ModuleAttributes(self.step.modules)  # every forward, and the loss over all their outputs
-            self.grads_before = self.step.grad_versions()
             # The bottom half gets correction passes; with a module's full backward hook in the model, none does: such
             # a hook sees no gradient that enters the module's input without leaving its output, as a correction does.
             t = 0 if has_backward_hooks(self.step.model) else len(self.calls) // 2
@@ -205,7 +203,8 @@ class _Passes:
         """Micro-batch k's forward (its loss, or its outputs); _STOPPED if a truncated pass stopped it at its target."""
         self.forwarding = True
         try:
-            loss = self.step.forward(k)
+            with self.step.gradients_aside("each micro-batch's forward once per pass"):
+                loss = self.step.forward(k)
         except StopPass:
             return _STOPPED
         except BaseException as e:  # as layerwise says it: where it happened
@@ -226,7 +225,6 @@ class _Passes:
             self.mode, self.target = self.STATS, j
             for k in self._each():
                 if self._forward(k) is not _STOPPED:  # micro-batch 0 never reached call j: there are j
-                    self.step.refuse_grads_changed(self.grads_before, "each micro-batch's forward once per pass")
                     return
             call = self.calls[j]
             self.step.meeting.check_count(call.rows, call.first.input.shape)
@@ -263,7 +261,6 @@ class _Passes:
             if call.input.requires_grad:
                 self._backward_from(k, result, inputs=[call.input])
         call.input = None
-        self.step.refuse_grads_changed(self.grads_before, "each micro-batch's forward once per pass")
         self._finish_sums(call)
 
     def _full_pass(self, t: int) -> None:

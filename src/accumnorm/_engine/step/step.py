@@ -9,7 +9,8 @@ while its forwards run (a backward inside them) is here too.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +151,23 @@ class Step:
                     f"parameter {name} during the micro-batches' forwards. The step runs {runs}, where the whole "
                     "batch runs your function once, so that gradient would count several times over. Nothing was "
                     "changed. Add that term to the loss you return instead")
+
+    @contextmanager
+    def gradients_aside(self, runs: str) -> Iterator[None]:
+        """For a forward that runs after some of the step's backwards (the passes schedule's): the gradients they made
+        set aside for the block, so that your functions find `.grad` as before any backward of the step, as in the
+        whole batch's one forward and under every other schedule (a `zero_grad()` or a clipping there changes nothing
+        the step made). A gradient the block makes itself is refused (`refuse_grads_changed`)."""
+        held = [(t, t.grad) for t in (*self.transaction.params, *(leaf for leaf, _ in self.transaction.leaves))]
+        for t, _ in held:
+            t.grad = None
+        try:
+            before = self.grad_versions()
+            yield
+            self.refuse_grads_changed(before, runs)
+        finally:
+            for t, grad in held:
+                t.grad = grad
 
     def describe(self, call: BNCall | INCall) -> str:
         return describe(call, self.names)
