@@ -364,6 +364,49 @@ def test_a_spectral_norm_in_one_micro_batch_or_in_eval_mode_runs_as_torch(schedu
     compare(ref, model, 1e-9)
 
 
+def _decaying(model: nn.Module) -> nn.Module:
+    """The model with a hook that decays its first BatchNorm's running mean in place before each call."""
+    def decay(layer: nn.Module, args: tuple) -> None:
+        layer.running_mean.mul_(0.5)
+
+    next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d)).register_forward_pre_hook(decay)
+    return model
+
+
+def test_a_hook_that_changes_running_statistics_in_place_is_refused_and_changes_nothing(schedule_any):
+    """Whole-batch torch decays the running mean once per call; each micro-batch's forward decayed it again (and
+    passes at each of its passes), and the step's own update moved what was left: 2.8e-1 off torch's running mean,
+    without a word, under every schedule. Refused, naming the layer, with everything as it was."""
+    torch.manual_seed(0)
+    model, batch = _decaying(vgg().double()), data((1, 8, 8), 8, torch.float64)
+    with torch.no_grad():
+        model(batch[0])  # running statistics away from their start
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"a forward changed the running_mean of BatchNorm2d \S+ in place beside its "
+                                         r"BatchNorm calls.*Nothing was changed"):
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, schedule=schedule_any)
+    assert_unchanged(model, snap)
+
+
+def test_a_hook_that_changes_running_statistics_runs_as_torch_in_one_forward(schedule):
+    """One micro-batch's forward is the whole batch's: the hook runs once, as in torch. A region's recomputation in the
+    backward would run it again (1 off torch's running mean under recompute, without a word): recompute and segments
+    run layerwise, saying why. passes runs it once per pass, and refuses it."""
+    torch.manual_seed(0)
+    model, batch = vgg().double(), data((1, 8, 8), 8, torch.float64)
+    model, ref = _decaying(model), _decaying(copy.deepcopy(model))
+    if schedule == "passes":
+        with pytest.raises(ValueError, match="a forward changed the running_mean"):
+            accumnorm.backward(model, batch, ce_loss, micro_batch_size=8, schedule=schedule)
+        return
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="changed its buffer 'running_mean'.*using the layerwise schedule") \
+            if schedule in ("recompute", "segments") else contextlib.nullcontext():
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=8, schedule=schedule)
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
 class Annealed(nn.Module):
     """A forward that counts itself in a Python attribute and scales its features by the count (a temperature annealed
     per forward)."""

@@ -196,12 +196,16 @@ class RegionState:
     the step found them, at the forwards' end and at each region call (the recomputation runs with them as they are
     at the end: a `training` flag switched off around one call and back would run that call otherwise)."""
 
-    def __init__(self, regions: list[Region]) -> None:
+    def __init__(self, regions: list[Region],
+                 written: Callable[[list[nn.Module]], tuple[nn.Module, str] | None]) -> None:
         self.regions = {r: list(dict.fromkeys(d for m in region_modules(r) for d in m.modules())) for r in regions}
         modules = list(dict.fromkeys(m for ms in self.regions.values() for m in ms))
         self.attributes = {m: dict(vars(m)) for m in modules}
+        # a BatchNorm's running statistics the step writes itself: `written(layers)` (the step's ledger) says whether a
+        # forward wrote them too, and which
         self.buffers = [(m, name, b, b._version) for m in modules for name, b in m._buffers.items()
                         if b is not None and not (isinstance(m, _BatchNorm) and name in BATCH_NORM_BUFFERS)]
+        self.written, self.norms = written, [m for m in modules if isinstance(m, _BatchNorm)]
         self.called_otherwise: tuple[nn.Module, str] | None = None  # a module and attribute, at a region call
 
     def called(self, region: Region) -> None:
@@ -226,6 +230,9 @@ class RegionState:
         for m, name, b, version in self.buffers:
             if m._buffers.get(name) is not b or b._version != version:
                 return f"{type(m).__name__} {names.get(m, '')} changed its buffer {name!r}"
+        written = self.written(self.norms)
+        if written is not None:
+            return f"{type(written[0]).__name__} {names.get(written[0], '')} changed its buffer {written[1]!r}"
         if self.called_otherwise is not None:
             m, key = self.called_otherwise
             return (f"{type(m).__name__} {names.get(m, '')} was called with its attribute {key!r} set otherwise than "

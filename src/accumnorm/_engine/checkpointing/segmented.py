@@ -106,7 +106,7 @@ class SegmentedRegions:
     def attach(self, lockstep: Any) -> None:
         """The lockstep whose micro-batches call the regions: its running micro-batch, and its pause."""
         self.lockstep = lockstep
-        self.state = RegionState(self.regions)
+        self.state = RegionState(self.regions, self.step.ledger.changed_statistics)
 
     def close(self) -> None:
         """Let go of the lockstep and the last call's refusal, which hold each other and this (a cycle), and of the

@@ -82,9 +82,11 @@ class _Lockstep:
         self.step.ledger.check_every_call_seen(self.step.names)
         if self.before_backward is not None:
             self.before_backward()
+        self.step.ledger.statistics_written(None)  # as the forwards left them: the backward's recomputations must too
         if roots:
             # One backward over every micro-batch: each met call's backward needs all K gradients at once.
             self.step.backward(roots)
+            self.step.ledger.check_statistics_untouched(None, self.step.names)  # a region's recomputation ran a hook
             self.step.interrupts.check()
 
     def _forwards(self) -> list[Tensor]:
@@ -136,6 +138,7 @@ class _Lockstep:
             self.coroutines = []
         if grads_before is not None:  # more than one micro-batch
             step.refuse_grads_changed(grads_before, "each micro-batch's forward once")
+        step.ledger.check_statistics_untouched(None, step.names, refuse=grads_before is not None)  # after the last call
         writes.refuse_moved_by_several(step.names, len(k_all), step.attributes.restore)  # before a whole-batch loss
         if step.objective.whole:  # one loss over every micro-batch's outputs
             step.graphs.check(list(zip(k_all, ends)))

@@ -92,7 +92,7 @@ class _Passes:
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
         self.runs = SameRuns()  # each micro-batch's BatchNorm inputs and loss, as its first run gave them
-        self.running = RunningStatistics()
+        self.running = RunningStatistics(step.ledger, step.names)
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \

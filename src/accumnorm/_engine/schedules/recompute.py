@@ -49,7 +49,8 @@ class Recompute(Schedule):
 
         handoffs = Handoffs()
         with checkpointed(regions, called, handoffs, lambda: step.rng.shared_states()[0]):
-            state = RegionState(regions)  # with the regions' forwards patched in, as the forwards will find them
+            # with the regions' forwards patched in, as the forwards will find them
+            state = RegionState(regions, step.ledger.changed_statistics)
 
             def before_backward() -> None:
                 step.regions.kept.seal()

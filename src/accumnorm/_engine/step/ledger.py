@@ -7,18 +7,22 @@ micro-batch's InstanceNorm calls (`instance_norm`), for one update per call at t
 (`update_running_stats`), but for those whose micro-batches met at them (`move_instance_norm_now`). Every training
 forward of a BatchNorm layer bumps its `num_batches_tracked`: the step sets each counter to its value before the
 step plus the calls counted, and refuses a step whose forwards bumped one more often than it saw
-(`check_every_call_seen`: a call that normalized with one micro-batch's statistics).
+(`check_every_call_seen`: a call that normalized with one micro-batch's statistics). Nothing else may move the
+running statistics under the lockstep schedules: a hook or forward that writes them in place beside their
+BatchNorm call (a decay before it) would do it once per micro-batch where the whole batch's forward does it once,
+and is refused (`check_statistics_untouched`).
 """
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 from ..._dist import Collectives
 from ...functional import Moments, update_running_stats_
@@ -53,6 +57,13 @@ class Ledger:
         self.batch_norms: list[tuple[BNCall, Moments, float | None]] = []  # recorded calls, to update at the end
         self.instance_norms: list[_InstanceNormStats] = []
         self.norms: set[nn.Module] = set(tracked_before)  # the modules whose running statistics the step updates
+        # Each BatchNorm layer's running statistics, with their version counters as the step last left them (before
+        # it, then after each met call's update): for `check_statistics_untouched`. A lazy layer's are made by its
+        # first forward.
+        self.statistics = {id(t): (t, t._version, m) for m in tracked_before
+                           for t in (m._buffers.get("running_mean"), m._buffers.get("running_var"))
+                           if t is not None and not is_lazy(t)}
+        self.beside: dict[nn.Module, str] = {}  # layers whose statistics one forward wrote beside its calls, and which
 
     def record(self, call: BNCall, stats: Moments) -> float | None:
         """Note a BatchNorm call of the whole batch, with its statistics, for the running-statistics update; the
@@ -80,6 +91,48 @@ class Ledger:
             if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
                 return 1.0 / float(self.tracked_before[m] + self.calls_so_far[m])
         return call.momentum
+
+    def check_statistics_untouched(self, tensors: Iterable[Tensor | None] | None, names: Mapping[nn.Module, str],
+                                   refuse: bool = True) -> None:
+        """Raise if a forward wrote any of these running statistics (None: every layer's) in place since the step last
+        left them (`statistics_written`): a hook or forward that changes them beside their BatchNorm calls, once per
+        micro-batch, or per pass, where the whole batch's forward would once. (A write through `.data` counts no
+        version, and is not seen.) `refuse=False`, for one micro-batch's forward, which is the whole batch's: note the
+        layer instead, whose statistics a region's recomputation would write again (`changed_statistics`)."""
+        entries = self.statistics.values() if tensors is None else (
+            self.statistics[id(t)] for t in tensors if t is not None and id(t) in self.statistics)
+        changed = self._changed(entries)
+        if changed is not None and not refuse:
+            self.beside.setdefault(*changed)
+        elif changed is not None:
+            m, which = changed
+            raise ValueError(
+                f"bn='exact': a forward changed the {which} of {type(m).__name__} {names.get(m) or '(the model)'} in "
+                "place beside its BatchNorm calls (a hook or forward that writes it). The step runs each micro-batch's "
+                "forward where the whole batch runs its one, so it would change them more often than torch does, and "
+                "the step updates them once per call for the whole batch. Nothing was changed. Change the running "
+                "statistics outside the step (before or after it), or pass bn='micro'")
+
+    def changed_statistics(self, modules: Iterable[nn.Module]) -> tuple[nn.Module, str] | None:
+        """The first of `modules` whose running statistics a forward wrote since the step last left them, and which."""
+        wanted = set(modules)
+        noted = next(((m, which) for m, which in self.beside.items() if m in wanted), None)
+        return noted or self._changed(entry for entry in self.statistics.values() if entry[2] in wanted)
+
+    @staticmethod
+    def _changed(entries: Iterable[tuple[Tensor, int, nn.Module]]) -> tuple[nn.Module, str] | None:
+        for t, version, m in entries:
+            if t._version != version:
+                return m, "running_mean" if t is m._buffers.get("running_mean") else "running_var"
+        return None
+
+    def statistics_written(self, tensors: Iterable[Tensor | None] | None) -> None:
+        """These running statistics (None: every layer's) are as the step left them now (a met call's update, a
+        schedule's own write, or one forward of the whole batch)."""
+        for t in (entry[0] for entry in list(self.statistics.values())) if tensors is None else tensors:
+            entry = self.statistics.get(id(t)) if t is not None else None
+            if entry is not None:
+                self.statistics[id(t)] = (t, t._version, entry[2])
 
     def instance_norm(self, call: INCall, index: int, names: Mapping[nn.Module, str]) -> None:
         """Add micro-batch's piece of InstanceNorm call `index` (in its forward) to the whole batch's statistics."""

@@ -47,6 +47,8 @@ class Meeting:
         self.check_same(calls, index)
         self.check_count(sum(c.input.shape[0] for c in calls), calls[0].input.shape)
         first, ledger = calls[0], self.ledger
+        statistics = (first.running_mean, first.running_var)
+        ledger.check_statistics_untouched(statistics, self.names, refuse=len(calls) > 1)  # one forward: the batch's
         with first.modes.entered(modes):
             if self.collectives.group is None:
                 momentum, across_ranks, reduce_sums = ledger.count_call(first), None, None
@@ -60,8 +62,11 @@ class Meeting:
                    for c in calls):
                 outputs, stats = normalize_pieces(first, inputs, [c.saved_tensor_hooks for c in calls], momentum,
                                                   across_ranks, reduce_sums)
-                return outputs, CallReplay(first, first.input, None, stats, outputs[0].requires_grad, keeps_input=True)
-            return normalize_whole(first, inputs, momentum, across_ranks, reduce_sums)
+                met = outputs, CallReplay(first, first.input, None, stats, outputs[0].requires_grad, keeps_input=True)
+            else:
+                met = normalize_whole(first, inputs, momentum, across_ranks, reduce_sums)
+        ledger.statistics_written(statistics)
+        return met
 
     def check_same(self, calls: Sequence[BNCall | None], index: int,
                    micro_batches: Sequence[int] | None = None) -> None:

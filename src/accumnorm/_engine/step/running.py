@@ -4,14 +4,20 @@ The passes schedule runs each micro-batch's forward 2L + 1 times and updates the
 the step's end, from the whole batch's statistics of each call. A forward may read them on its way (an
 eval-mode call on the same layer after its training call, a loss term, a teacher pass after the student's): it
 must find them as the whole batch's forward would at that point, moved by the calls before and by none after.
+Before each write, the ledger checks that no forward wrote them since (`Ledger.check_statistics_untouched`): a hook
+that decays them would do it once per pass.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+import torch.nn as nn
 from torch import Tensor
 
 from ...functional import Moments, update_running_stats_
 from ..intercept.calls import BNCall
+from .ledger import Ledger
 
 __all__ = ["RunningStatistics"]
 
@@ -22,7 +28,8 @@ class RunningStatistics:
     call on the same layer, a loss term). The step's own update, at its end, starts from the values before it,
     which the block puts back."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: Ledger, names: Mapping[nn.Module, str]) -> None:
+        self.ledger, self.names = ledger, names
         self.before: dict[int, tuple[Tensor, Tensor | None, Tensor, Tensor | None]] = {}  # id(running_mean) -> ...
         self.now: dict[int, tuple[Tensor, Tensor | None]] = {}  # the values after the last call recorded
 
@@ -43,24 +50,28 @@ class RunningStatistics:
     def moved(self, call: BNCall, values: tuple[Tensor, Tensor | None] | None) -> None:
         """A forward made `call`, whose running statistics are now `values` (None: not known yet, or none)."""
         if values is not None:
-            _put([(call.running_mean, values[0]), (call.running_var, values[1])])
+            self._put([(call.running_mean, values[0]), (call.running_var, values[1])])
 
-    def restore(self) -> None:
-        _put([pair for mean, var, old_mean, old_var in self.before.values()
-              for pair in ((mean, old_mean), (var, old_var))])
+    def restore(self, check: bool = True) -> None:
+        self._put([pair for mean, var, old_mean, old_var in self.before.values()
+                   for pair in ((mean, old_mean), (var, old_var))], check)
 
     def __enter__(self) -> RunningStatistics:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.restore()
+        self.restore(check=False)
 
-
-def _put(pairs: list[tuple[Tensor | None, Tensor | None]]) -> None:
-    """Copy each value into its tensor, where both are (a layer without running variance has None for it): in one
-    call, outside the step's torch-function mode. A step runs this at every BatchNorm call of every pass, and for
-    every layer at each micro-batch's start."""
-    targets = [(t, value) for t, value in pairs if t is not None and value is not None]
-    if targets:
+    def _put(self, pairs: list[tuple[Tensor | None, Tensor | None]], check: bool = True) -> None:
+        """Copy each value into its tensor, where both are (a layer without running variance has None for it): in one
+        call, outside the step's torch-function mode. A step runs this at every BatchNorm call of every pass, and for
+        every layer at each micro-batch's start."""
+        targets = [(t, value) for t, value in pairs if t is not None and value is not None]
+        if not targets:
+            return
+        if check:
+            self.ledger.check_statistics_untouched([t for t, _ in targets], self.names)
         with torch._C.DisableTorchFunction(), torch.no_grad():
             torch._foreach_copy_([t for t, _ in targets], [value for _, value in targets])
+        self.ledger.statistics_written([t for t, _ in targets])
+
