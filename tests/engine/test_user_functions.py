@@ -116,6 +116,39 @@ def hooks_its_features(m, b):
     return F.cross_entropy(m.head(m.features[2:](h)), b[1])
 
 
+class ClampedGradient(torch.autograd.Function):
+    """The identity, whose backward clamps the gradient: a backward that is not linear in its gradient."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.clamp(-2e-3, 2e-3)
+
+
+def _clamped_below_the_batch_norms(clamp: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A loss_fn whose gradient at the first BatchNorm's input is clamped by `clamp(input)`: passes and segments add
+    that call's backward in two parts (a correction after the rest), and a clamp of each part is not a clamp of the
+    sum (off by 1.1 under passes, 0.2 under segments, without a word)."""
+    def loss_fn(m, b):
+        h = clamp(m.features[0](b[0]))
+        return F.cross_entropy(m.head(m.features[1:](h)), b[1])
+    return loss_fn
+
+
+def _tensor_hook(h: torch.Tensor) -> torch.Tensor:
+    h.register_hook(lambda g: g.clamp(-2e-3, 2e-3))
+    return h
+
+
+def clamped_by_a_pre_hook() -> nn.Module:
+    model = net()
+    model.features[0].register_full_backward_pre_hook(lambda mod, go: (go[0].clamp(-2e-3, 2e-3),))
+    return model
+
+
 def custom_function_on_the_output(m, b):
     return F.cross_entropy(Square.apply(m(b[0])), b[1])
 
@@ -206,6 +239,11 @@ PASSES_CASES = {  # name: (model, loss_fn, micro-batch size, refusal or None)
     "custom Function between BatchNorms": (net, custom_function_between_batch_norms, 2, None),
     "loss_fn zeroes the gradients": (net, zeroes_the_gradients, 2, None),
     "loss_fn clips the gradients": (net, clips_the_gradients, 2, None),
+    "a tensor hook clamps a gradient below the BatchNorms": (net, _clamped_below_the_batch_norms(_tensor_hook), 2,
+                                                              None),
+    "a custom Function clamps a gradient below the BatchNorms": (
+        net, _clamped_below_the_batch_norms(ClampedGradient.apply), 2, None),
+    "a full backward pre-hook clamps a gradient below the BatchNorms": (clamped_by_a_pre_hook, ce_loss, 2, None),
     "empty masked piece": (net, selected, 2, None),
     "frozen features under no_grad": (net, frozen_features_under_no_grad, 2, None),
     "frozen features under no_grad, one micro-batch": (net, frozen_features_under_no_grad, 8, None),
@@ -218,6 +256,47 @@ PASSES_CASES = {  # name: (model, loss_fn, micro-batch size, refusal or None)
 def test_what_passes_used_to_miss_is_exact(schedule, case):
     build, loss_fn, micro, refusal = PASSES_CASES[case]
     exact_or_refused(build(), loss_fn, schedule, refusal, micro, data=affine_batch() if build is affine_net else None)
+
+
+class TwoCalls(nn.Module):
+    """A residual block of two conv-BatchNorm pairs: a region of segments with two calls, the lower of which gets its
+    backward in two parts (a correction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+
+
+class TwoCallBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[TwoCalls() for _ in range(4)])
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("kind", ["tensor hook", "custom Function", "full backward pre-hook"])
+def test_a_clamped_gradient_inside_a_region_is_exact(schedule, kind):
+    """A clamp of the gradient at each block's first BatchNorm input, inside segments' regions: segments added that
+    call's backward in two parts, each clamped (0.2 off, without a word). Now every call there gets its sums first."""
+    torch.manual_seed(0)
+    model = TwoCallBlocks().to(DT)
+    for block in model.blocks:
+        if kind == "tensor hook":
+            block.conv1.register_forward_hook(lambda mod, args, out: _tensor_hook(out))
+        elif kind == "custom Function":
+            block.conv1.register_forward_hook(lambda mod, args, out: ClampedGradient.apply(out))
+        else:
+            block.conv1.register_full_backward_pre_hook(lambda mod, go: (go[0].clamp(-2e-3, 2e-3),))
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(10, 4, 6, 6, generator=g, dtype=DT), torch.randint(0, 4, (10,), generator=g)
+    exact_or_refused(model, ce_loss, schedule, None, 4, data=data)
 
 
 @pytest.mark.parametrize("full", [True, False])

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
 from ..bn.replay import CallReplay
 from ..intercept.calls import BNCall, INCall, NormCalls, StopPass
+from ..intercept.guards import backward_hooked
 from ..memory.heap import release_free_memory
 from ..safety.threadstate import Modes, autocast_cache_off, close_checkpoints_left_open
 from .again import check_outputs, fingerprint
@@ -79,9 +80,7 @@ class RegionPasses:
         self.counts = [len(o) for o in outputs]
         self.device = next((t.device for o in outputs for t in o), torch.device("cpu"))
         self.depth = 0  # how many regions below this one let go of their arguments (`segmented`)
-        modules = [d for m in region_modules(entries[0].region) for d in m.modules()]
-        self.backward_hooks = bool(torch.nn.modules.module._global_backward_hooks) or any(
-            d._backward_hooks for d in modules)
+        self.modules = [d for m in region_modules(entries[0].region) for d in m.modules()]
         # The BatchNorm layers whose call counters each recomputation's forwards count up again: put back after it,
         # with the step's count of the calls it saw, so that a layer's own factor from its counter is the forward's.
         self.counted = [d for m in region_modules(entries[0].region) for d in m.modules()
@@ -135,8 +134,11 @@ class RegionPasses:
         sums = [GradSums(c.stats.mean.shape[0], c.stats.count) for c in self.calls]
         # The calls from `split` up get a sums pass each; those below, a correction pass after the last pass (module
         # doc). A module's full backward hook sees no gradient that enters its input without leaving its output, as
-        # a correction does: with one in the region, every call gets a sums pass.
-        split = 0 if self.backward_hooks else len(self.calls) // 2
+        # a correction does, and a hook that clamps a gradient would clamp its parts: with a hook in the region, on
+        # a tensor of the step's forwards, or a custom Function of yours in it, every call gets a sums pass
+        # (`backward_hooked`).
+        hooked = backward_hooked(self.modules, self.step.watch.tensor_hooks or entries[0].user_functions)
+        split = 0 if hooked else len(self.calls) // 2
         for t in reversed(range(split, len(self.calls))):
             for entry, given, dy in zip(entries, values, dys):
                 outputs, _, cut = self._recompute(entry, given, sums, _SUMS, t)

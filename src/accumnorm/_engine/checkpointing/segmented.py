@@ -30,6 +30,7 @@ from ..bn.replay import CallReplay
 from ..memory.budget import Meter
 from ..memory.heap import release_free_memory
 from ..safety.flatten import flatten
+from ..safety.graphs import holds_user_functions
 from ..safety.threadstate import Modes, saved_tensor_hooks
 from .again import RegionStateChanged
 from .checkpointed import RegionState, patched
@@ -57,6 +58,7 @@ class Entry:
     # argument position -> (the region before, whose output it is, and which output): what it can be recomputed from
     sources: dict[int, tuple[RegionPasses, int]] = field(default_factory=dict)
     saved: int = 0  # the bytes its forward would have saved: what its recomputation holds
+    user_functions: bool = False  # whether its graph holds a custom autograd.Function of yours (micro-batch 0's)
 
     def __post_init__(self) -> None:
         self.requires_grad = [self.leaves[i].requires_grad for i in self.tensors]
@@ -166,6 +168,8 @@ class SegmentedRegions:
             out_leaves, out_spec = flatten(out)
             del out
             positions = [i for i, t in enumerate(out_leaves) if isinstance(t, Tensor) and t.requires_grad]
+            if k == 0:  # each micro-batch's forward makes the same graph
+                entry.user_functions = holds_user_functions([out_leaves[i] for i in positions])
             outputs = [out_leaves[i].detach() for i in positions]
             for i in positions:  # the forward's graph of the region goes
                 out_leaves[i] = None

@@ -49,6 +49,7 @@ _INSTANCE_NORM = {
                           "eps"),
 }
 _GRAD = torch.autograd.grad
+_REGISTER_HOOK = Tensor.register_hook
 _DEFAULTS = {"running_mean": None, "running_var": None, "weight": None, "bias": None, "training": False,
              "use_input_stats": True, "momentum": 0.1, "eps": 1e-5}
 
@@ -111,6 +112,7 @@ class Watch:
     seen: Counter[nn.Module]
     versions: dict[nn.Module, int]
     graphs: Graphs
+    tensor_hooks: bool = False  # whether a forward registered a hook on a tensor (`guards.backward_hooked`)
 
 
 def describe(call: BNCall | INCall, names: dict[nn.Module, str]) -> str:
@@ -138,7 +140,7 @@ class NormCalls(TorchFunctionMode):
         self.on_batch_norm, self.on_instance_norm = on_batch_norm, on_instance_norm
         # Read at every call: attributes of the mode's own rather than the watch's.
         self.owners, self.stop, self.seen = watch.owners, watch.stop, watch.seen
-        self.versions, self.graphs = watch.versions, watch.graphs
+        self.versions, self.graphs, self.watch = watch.versions, watch.graphs, watch
         # Whether torch.autograd.grad with respect to the parameters is the whole batch's under this mode: one
         # micro-batch, whose forward runs once with its graph.
         self.gradients = gradients
@@ -162,6 +164,8 @@ class NormCalls(TorchFunctionMode):
                                                           args, kwargs)
         elif func is _GRAD and not self.gradients:
             return untraced.call(NormCalls.gradient)(self, func, args, kwargs)
+        elif func is _REGISTER_HOOK:
+            self.watch.tensor_hooks = True
         elif func in HIDDEN:
             refuse_batch_statistics(func, args, kwargs)
         elif func is F.batch_norm or func is F.instance_norm:  # a replacement, set since the tables were made

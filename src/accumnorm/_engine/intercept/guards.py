@@ -21,7 +21,8 @@ from torch.nn.parameter import is_lazy
 from .known import library_refusal
 from .torchs import refuse_replaced_norm_function
 
-__all__ = ["gradient_hooks", "has_norm_statistics", "refuse_node_backward_hooks", "refuse_unseen_batch_norms"]
+__all__ = ["backward_hooked", "gradient_hooks", "has_norm_statistics", "refuse_node_backward_hooks",
+           "refuse_unseen_batch_norms"]
 
 
 def refuse_unseen_batch_norms(names: dict[nn.Module, str], schedule: str) -> None:
@@ -179,3 +180,17 @@ def gradient_hooks(model: nn.Module, schedule: str) -> str | None:
                     f"gradient of the parameter {name} would be called with a part of the whole batch's gradient at "
                     "each, where whole-batch torch calls it once with all of it")
     return None
+
+
+def backward_hooked(modules: Iterable[nn.Module], in_graph: bool) -> bool:
+    """Whether the backward may not be linear in its gradient: a full backward hook or pre-hook on one of `modules` (or
+    a global one), or, `in_graph`, a hook a forward of the step registered on a tensor (`Watch.tensor_hooks`) or a
+    custom autograd.Function of yours in the graph (`graphs.holds_user_functions`), whose backward may clamp the
+    gradient it gets. The schedules that add a call's backward in parts, a correction after the rest (passes, and
+    segments inside a region), need the backward below the call linear: with such a hook, every call gets its
+    backward sums before the gradient goes below it, and that gradient is whole.
+
+    A hook set on a graph node (`grad_fn.register_hook`) is not seen (docs/exact-covers.md)."""
+    hooks = torch.nn.modules.module
+    return (in_graph or bool(hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+            or any(m._backward_hooks or m._backward_pre_hooks for m in modules))

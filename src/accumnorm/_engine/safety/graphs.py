@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["BATCH_NORM_NODES", "Graphs"]
+__all__ = ["BATCH_NORM_NODES", "Graphs", "holds_user_functions"]
 
 _next_sequence_nr = torch._C._autograd._get_sequence_nr
 
@@ -198,3 +198,20 @@ class Graphs:
                 if isinstance(value, Tensor) and value.grad_fn is node:
                     return f", kept in the module attribute {name + '.' if name else ''}{attr}"
         return ", kept outside the model: a global, a closure or another object"
+
+
+def holds_user_functions(roots: Sequence[Tensor]) -> bool:
+    """Whether the graph from `roots` holds the node of a custom `autograd.Function` of yours (not the step's own),
+    whose backward may not be linear in its gradient (`intercept.guards.backward_hooked`)."""
+    stack = [t.grad_fn for t in roots if isinstance(t, Tensor) and t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.autograd.function.BackwardCFunction) and not getattr(
+                node._forward_cls, "__module__", "").startswith("accumnorm."):
+            return True
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return False

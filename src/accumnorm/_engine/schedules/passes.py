@@ -37,9 +37,11 @@ from ..bn.normalize import GradSums, invstd, normalize, normalize_with, scale
 from ..checkpointing.again import tensor_leaves
 from ..checkpointing.frames import end_recomputations_here
 from ..intercept.calls import BNCall, INCall, StopPass
+from ..intercept.guards import backward_hooked
 from ..memory.budget import Meter
 from ..memory.store import Store
 from ..safety.attributes import ModuleAttributes
+from ..safety.graphs import holds_user_functions
 from ..safety.threadstate import autocast_cache_off
 from ..step.outputs import OutputGrads, without_graph
 from ..step.running import RunningStatistics
@@ -49,7 +51,6 @@ from .passes_refusals import (
     SameRuns,
     another_input,
     another_result,
-    has_backward_hooks,
     not_the_same,
     torchs_refusals_said,
     whole_batch_call,
@@ -93,6 +94,7 @@ class _Passes:
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
         self.runs = SameRuns()  # each micro-batch's BatchNorm inputs and loss, as its first run gave them
         self.running = RunningStatistics(step.ledger, step.names)
+        self.user_functions = False  # whether a complete forward's graph holds a custom autograd.Function of yours
 
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
@@ -102,9 +104,11 @@ class _Passes:
             if self.step.objective.whole:
                 self._output_gradients()
                 finished = ModuleAttributes(self.step.modules)  # every forward, and the loss over all their outputs
-            # The bottom half gets correction passes; with a module's full backward hook in the model, none does: such
-            # a hook sees no gradient that enters the module's input without leaving its output, as a correction does.
-            t = 0 if has_backward_hooks(self.step.model) else len(self.calls) // 2
+            # The bottom half gets correction passes; with a backward hook in the model, none does: a module's full
+            # backward hook sees no gradient that enters the module's input without leaving its output, as a
+            # correction does, and a hook that clamps a gradient would clamp its parts (`backward_hooked`).
+            hooked = backward_hooked(self.step.modules, self.step.watch.tensor_hooks or self.user_functions)
+            t = 0 if hooked else len(self.calls) // 2
             for j in reversed(range(t, len(self.calls))):
                 self._sums_pass(j)
             self._full_pass(t)
@@ -224,7 +228,9 @@ class _Passes:
             j = len(self.calls)
             self.mode, self.target = self.STATS, j
             for k in self._each():
-                if self._forward(k) is not _STOPPED:  # micro-batch 0 never reached call j: there are j
+                result = self._forward(k)
+                if result is not _STOPPED:  # micro-batch 0 never reached call j: there are j
+                    self.user_functions = holds_user_functions(tensor_leaves(result))
                     return
             call = self.calls[j]
             self.step.meeting.check_count(call.rows, call.first.input.shape)

@@ -13,7 +13,7 @@ from torch import Tensor
 from ..checkpointing.again import CannotCheck, fingerprint, same_outputs
 from ..intercept.calls import BNCall, INCall
 
-__all__ = ["SameRuns", "another_input", "another_result", "has_backward_hooks", "not_the_same", "torchs_refusals_said",
+__all__ = ["SameRuns", "another_input", "another_result", "not_the_same", "torchs_refusals_said",
            "whole_batch_call", "whole_batch_instance_norm"]
 
 
@@ -39,11 +39,6 @@ def torchs_refusals_said() -> Iterator[None]:
             "whose graph was made before the step (a regularizer computed once outside loss_fn, a weight under "
             "torch.nn.utils.parametrize.cached()) was back-propagated a second time. Nothing was changed. Make it "
             "inside loss_fn, or use schedule='layerwise', which runs each forward once") from e
-
-
-def has_backward_hooks(model: torch.nn.Module) -> bool:
-    """Whether a full backward hook (one that sees grad_input) may run on a module of the model."""
-    return bool(torch.nn.modules.module._global_backward_hooks) or any(m._backward_hooks for m in model.modules())
 
 
 class SameRuns:
