@@ -179,3 +179,33 @@ def test_a_buffer_a_failed_step_registered_is_gone_with_it(schedule_any):
     accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4,
                        schedule=schedule_any)
     assert "calls" in model.state_dict()
+
+
+class _MakesLayers(nn.Module):
+    """Makes a layer and a parameter at its first forward (a library's lazily built head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh())
+
+    def forward(self, x):
+        if "head" not in self._modules:
+            self.head = nn.Linear(6, 3).to(x.dtype)
+            self.scale = nn.Parameter(torch.ones((), dtype=x.dtype))
+        return self.head(self.net(x)) * self.scale
+
+
+def test_a_layer_and_a_parameter_a_failed_step_made_are_gone_with_it(schedule_any):
+    """A failed step left the model with the layer its forward made (a hostile check's BatchNorm made in the forward
+    stayed, its counter at 1): the model is as before the step, and the next step makes them again, as torch's
+    first forward does."""
+    torch.manual_seed(0)
+    model = _MakesLayers().double()
+    x, y = torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 3, (9,))
+    modules, parameters = list(model.named_modules()), list(model.named_parameters())
+    with pytest.raises(RuntimeError, match="the forward fails"):
+        accumnorm.backward(model, (x, y), failing_below(4), micro_batch_size=4, schedule=schedule_any)
+    assert list(model.named_modules()) == modules and list(model.named_parameters()) == parameters
+    accumnorm.backward(model, (x, y), lambda m, b: F.cross_entropy(m(b[0]), b[1]), micro_batch_size=4,
+                       schedule=schedule_any)
+    assert "head" in model._modules and "scale" in model._parameters and model.head.weight.grad is not None

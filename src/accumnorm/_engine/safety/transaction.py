@@ -9,9 +9,9 @@ way. `commit` adds the step's gradients into the caller's in place, as autograd 
 that is a view of a flat buffer, or one the caller holds, stays that tensor), each copied aside first, so
 that until `backward` returns `rollback` can still restore them, even when an interrupt arrives in the
 middle of the merge. A lazy module (torch's `Lazy*` layers, accumnorm's norms built without a channel count) that
-the step's first forward materialized is made lazy again, and a buffer a forward registered is taken out. A step
-whose forwards changed a buffer, other than the running statistics it updates itself once, is refused
-(`refuse_buffers_changed`): each micro-batch's forward changed it where the whole batch's would once.
+the step's first forward materialized is made lazy again, and a buffer, parameter or layer a forward registered is
+taken out. A step whose forwards changed a buffer, other than the running statistics it updates itself once, is
+refused (`refuse_buffers_changed`): each micro-batch's forward changed it where the whole batch's would once.
 """
 from __future__ import annotations
 
@@ -48,8 +48,11 @@ class Transaction:
         # replace it by another tensor; both are undone.
         self.buffers = [(m, name, b, b.clone()) for m in self.modules for name, b in m._buffers.items()
                         if b is not None and not is_lazy(b)]
-        # a buffer a failed step registered goes (a TorchScript module's C++ table registers none from Python)
+        # a buffer a failed step registered goes (a TorchScript module's C++ table registers none from Python), and
+        # so does a parameter or a submodule (a layer a forward makes at its first call)
         self.buffer_names = [tuple(m._buffers) if isinstance(m._buffers, dict) else None for m in self.modules]
+        self.registered = [(m, tuple(m._parameters), tuple(m._modules)) for m in self.modules
+                           if isinstance(m._parameters, dict) and isinstance(m._modules, dict)]
         self.lazy = [_Lazy(m) for m in self.modules
                      if any(t is not None and is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()))]
 
@@ -140,7 +143,12 @@ class Transaction:
                 "accumulation")
 
     def rollback(self) -> None:
-        """The gradients, parameters, buffers and train/eval modes as they were before the step."""
+        """The gradients, parameters, buffers, submodules and train/eval modes as they were before the step."""
+        for m, parameters_before, modules_before in self.registered:
+            for table, names in ((m._parameters, parameters_before), (m._modules, modules_before)):
+                if tuple(table) != names:
+                    for name in [name for name in table if name not in names]:
+                        del table[name]
         for m, name, p in self.slots:
             m._parameters[name] = p
         for m, training in zip(self.modules, self.training):
