@@ -57,6 +57,7 @@ class Ledger:
         self.batch_norms: list[tuple[BNCall, Moments, float | None]] = []  # recorded calls, to update at the end
         self.instance_norms: list[_InstanceNormStats] = []
         self.norms: set[nn.Module] = set(tracked_before)  # the modules whose running statistics the step updates
+        self.updated: set[int] = set()  # and the ids of the running statistics its calls update, whatever their names
         # Each BatchNorm layer's running statistics, with their version counters as the step last left them (before
         # it, then after each met call's update): for `check_statistics_untouched`. A lazy layer's are made by its
         # first forward.
@@ -86,6 +87,7 @@ class Ledger:
         m = call.module
         if m is not None:
             self.norms.add(m)
+            self.updated.update(id(t) for t in (call.running_mean, call.running_var) if t is not None)
         if call.counted:  # a BatchNorm layer's forward: torch counts it in num_batches_tracked
             self.calls_so_far[m] += 1
             if m.momentum is None:  # a cumulative average over the calls so far, as torch's forward computes it
@@ -143,6 +145,7 @@ class Ledger:
         if index == len(self.instance_norms):
             self.instance_norms.append(_InstanceNormStats(call))
             self.norms.add(call.module)
+            self.updated.update(id(t) for t in (call.running_mean, call.running_var) if t is not None)
         entry = self.instance_norms[index]
         if entry.call.running_mean is not call.running_mean:
             raise ValueError(f"bn='exact' needs every micro-batch to make the same InstanceNorm calls in the same "
@@ -195,9 +198,11 @@ class Ledger:
 
     def keeps(self, module: nn.Module, buffer: str) -> bool:
         """Whether the step updates `module`'s buffer itself, once for the whole batch: a norm's running statistics
-        and counter, and the state of a layer that ends each step itself (`accumnorm_step_end`)."""
+        and counter (a layer's by their names, or any buffer a call of the step updated as running statistics: a
+        direct `F.batch_norm` call on a module's own), and the state of a layer that ends each step itself
+        (`accumnorm_step_end`)."""
         return ((module in self.norms and buffer in BATCH_NORM_BUFFERS)
-                or hasattr(type(module), "accumnorm_step_end"))
+                or id(module._buffers.get(buffer)) in self.updated or hasattr(type(module), "accumnorm_step_end"))
 
     def check_every_call_seen(self, names: Mapping[nn.Module, str]) -> None:
         """Each BatchNorm forward in training bumps num_batches_tracked: every bump must be a call the step saw.
