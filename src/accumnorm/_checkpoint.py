@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["read_checkpoint", "check_fits", "get_rng", "set_rng"]
+__all__ = ["LoaderStreams", "read_checkpoint", "check_fits", "get_rng", "set_rng"]
 
 KEYS = ("config", "model", "optimizer", "scheduler", "scaler", "step", "epoch", "batch_in_epoch", "rng")
 _TYPES = {"config": dict, "model": dict, "optimizer": dict, "rng": list, "step": int, "epoch": int,
@@ -134,3 +134,47 @@ def set_rng(state: dict[str, Any]) -> None:
         import numpy as np
         name, keys, pos, has_gauss, gauss = state["numpy"]
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+class LoaderStreams:
+    """The torch.Generators a loader draws from itself (its own `generator`, its sampler's: the shuffle, the workers'
+    base seed), which the process's RNG states leave out. A resumed run starts them where the run it continues had
+    them: at the epoch's start, to replay the batches already trained on, or as they were at an epoch's end."""
+
+    def __init__(self) -> None:
+        self.generators: list[torch.Generator] = []  # the loader's, once each
+        self.epoch_start: list[torch.Tensor] | None = None  # their states when the epoch's iterator was made
+        self.resumed: dict[str, Any] | None = None  # a checkpoint's states, until the next loader is attached
+
+    def attach(self, loader: Any, mid_epoch: bool) -> None:
+        """The loader of the epoch about to be iterated (`mid_epoch`: past batches already trained on): a
+        checkpoint's states go into its generators, those at the epoch's start where it is replayed."""
+        holders = (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None),
+                                                                      "sampler", None))
+        found = [g for g in (getattr(h, "generator", None) for h in holders) if isinstance(g, torch.Generator)]
+        self.generators = [g for i, g in enumerate(found) if all(g is not f for f in found[:i])]
+        resumed, self.resumed = self.resumed, None
+        states = None if resumed is None else resumed["epoch_start" if mid_epoch else "now"]
+        if states is None:  # none resumed, or a checkpoint written before these states were kept
+            return
+        if len(states) != len(self.generators):
+            raise ValueError(f"the checkpoint holds the states of {len(states)} generators of the loader (its own "
+                             f"and its sampler's), the loader given to fit has {len(self.generators)}: resume with a "
+                             "loader made as the run's was")
+        self.epoch_start = list(states) if mid_epoch else None
+        self._put(states)
+
+    def epoch_started(self) -> None:
+        self.epoch_start = [g.get_state() for g in self.generators]
+
+    def replay(self) -> None:
+        """The generators back at the epoch's start, to make its iterator again."""
+        if self.epoch_start is not None and len(self.epoch_start) == len(self.generators):
+            self._put(self.epoch_start)
+
+    def state(self) -> dict[str, Any]:
+        return {"now": [g.get_state() for g in self.generators], "epoch_start": self.epoch_start}
+
+    def _put(self, states: list[torch.Tensor]) -> None:
+        for g, state in zip(self.generators, states):
+            g.set_state(state)

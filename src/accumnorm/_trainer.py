@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import _dist
-from ._checkpoint import check_fits, get_rng, read_checkpoint, set_rng
+from ._checkpoint import LoaderStreams, check_fits, get_rng, read_checkpoint, set_rng
 from ._dist import unwrap_ddp
 from ._engine.args import BNMode, Schedule, check_args, check_compile_options, check_schedule_options
 from ._engine.backward import backward
@@ -104,6 +104,7 @@ class Trainer:
         self.epoch = 0  # epochs completed by fit
         self.batch_in_epoch = 0  # batches of the current epoch already trained on
         self._epoch_rng: dict | None = None  # RNG states when the current epoch's iterator was made
+        self._streams = LoaderStreams()  # and the loader's own generators' (a DataLoader(generator=...))
         self.grad_norm: float | None = None  # total gradient norm before clipping, with max_grad_norm
         self.run_dir: Path | None = None  # the log directory of the run this trainer continues (see fit)
         if self.world_size > 1:
@@ -191,13 +192,16 @@ class Trainer:
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)  # DistributedSampler reshuffles by epoch number
+        self._streams.attach(loader, mid_epoch=self.batch_in_epoch > 0)
         if self.batch_in_epoch == 0:
             self._epoch_rng = get_rng()
+            self._streams.epoch_started()
             return iter(loader)
         # resuming inside an epoch: the loader draws its shuffle from the RNG when the iterator is made,
         # so replay that from the epoch's starting RNG, skip what was trained on, then carry on from now
         now = get_rng()
         set_rng(self._epoch_rng)
+        self._streams.replay()
         batches = iter(loader)
         for i in range(self.batch_in_epoch):
             if next(batches, None) is None:
@@ -226,8 +230,8 @@ class Trainer:
             "scheduler_class": type(self.scheduler).__name__ if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "step": self.step_count, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-            "rng": _dist.all_gather_object({"now": get_rng(), "epoch_start": self._epoch_rng},
-                                                 self.process_group),
+            "rng": _dist.all_gather_object({"now": get_rng(), "epoch_start": self._epoch_rng,
+                                            "loader": self._streams.state()}, self.process_group),
             # what recompute chose its regions by: a resumed run's first step chooses as the next one here would
             "measurements": measurements(self.model),
         }
@@ -249,6 +253,7 @@ class Trainer:
         self.step_count, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         rng = state["rng"][self.rank]
         self._epoch_rng = rng["epoch_start"]
+        self._streams.resumed = rng.get("loader")  # put into the loader's generators by the next fit
         set_rng(rng["now"])
 
     def save(self, path: str | os.PathLike) -> None:

@@ -167,6 +167,39 @@ def test_a_recompute_run_resumed_from_its_checkpoint_steps_as_the_run_that_never
     assert_state_close(resumed.state_dict(), model.state_dict(), 0.0)
 
 
+@pytest.mark.parametrize("stop", [5, 4, 2, "an epoch"])
+def test_a_run_whose_loader_shuffles_with_its_own_generator_resumes_as_it_never_stopped(tmp_path, stop):
+    """A DataLoader(generator=...) draws its shuffle from its own generator, which the process's RNG states leave out:
+    a run resumed in epoch 2 (stop 5, of 4 batches an epoch) replayed epoch 1's order, and one saved after
+    fit(epochs=1) shuffled epoch 2 as epoch 1: 0.48 off the run that never stopped, without a word. The checkpoint
+    keeps the loader's generators, at the epoch's start and now."""
+    g = torch.Generator().manual_seed(5)
+    dataset = torch.utils.data.TensorDataset(torch.randn(38, 6, generator=g, dtype=torch.float64),
+                                             torch.randint(0, 3, (38,), generator=g))
+
+    def run() -> tuple[nn.Module, Trainer, torch.utils.data.DataLoader]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
+        loader = torch.utils.data.DataLoader(dataset, batch_size=10, shuffle=True,
+                                             generator=torch.Generator().manual_seed(3))
+        return model, Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ce_loss,
+                              micro_batch_size=4), loader
+
+    model, trainer, loader = run()
+    trainer.fit(loader, steps=7, log=None)
+    _, first, loader = run()
+    if stop == "an epoch":
+        first.fit(loader, epochs=1, log=None)
+        first.save(tmp_path / "run.pt")
+    else:
+        first.fit(loader, steps=stop, log=tmp_path / "run", checkpoint_every=stop)
+    resumed_model, _, loader = run()
+    resumed = Trainer.load(tmp_path / ("run.pt" if stop == "an epoch" else "run"), resumed_model,
+                           torch.optim.SGD(resumed_model.parameters(), lr=0.1, momentum=0.9), ce_loss)
+    resumed.fit(loader, steps=7, log=None if stop == "an epoch" else tmp_path / "run")
+    assert_state_close(resumed_model.state_dict(), model.state_dict(), 0.0)
+
+
 @pytest.mark.parametrize("options, error, message", [
     (dict(memory_budget=1.5e9), TypeError, "memory_budget must be a number of bytes (an int) or None, got float"),
     (dict(memory_budget=0), ValueError, "memory_budget must be a positive number of bytes, got 0"),
