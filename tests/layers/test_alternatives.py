@@ -254,3 +254,34 @@ def test_a_channels_last_input_gives_the_contiguous_inputs_output(name):
     m = _randomize(accumnorm.norm(name, 32).double())
     x = _x()
     torch.testing.assert_close(m(x.to(memory_format=torch.channels_last)), copy.deepcopy(m)(x), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("layer", [BatchRenorm2d, StaleBatchNorm2d])
+def test_reset_parameters_starts_the_counters_again_as_torchs_batchnorm(layer):
+    """torch's BatchNorm.reset_parameters zeroes num_batches_tracked; these kept theirs (and StaleBatchNorm2d its
+    step's count), so that a momentum=None average after a reset was 3.8 off the batch mean, a renorm's warm-up did not
+    start again, and a layer built on the meta device and reset after to_empty (as FSDP does) kept whatever the
+    empty memory held."""
+    torch.manual_seed(0)
+    x0, x = torch.randn(8, 4, 3, 3, dtype=torch.float64), torch.randn(8, 4, 3, 3, dtype=torch.float64) + 5
+    ours, torchs = layer(4, momentum=None, dtype=torch.float64), torch.nn.BatchNorm2d(4, momentum=None,
+                                                                                      dtype=torch.float64)
+    for _ in range(3):
+        ours(x0)
+        torchs(x0)
+        getattr(ours, "accumnorm_step_end", lambda: None)()
+    ours.reset_parameters()
+    torchs.reset_parameters()
+    ours(x)
+    torchs(x)
+    getattr(ours, "accumnorm_step_end", lambda: None)()
+    assert int(ours.num_batches_tracked) == int(torchs.num_batches_tracked) == 1
+    torch.testing.assert_close(ours.running_mean, torchs.running_mean)
+    built = layer(4, device="meta").to_empty(device="cpu")
+    for counter in ("num_batches_tracked", "step_count"):
+        if counter in built._buffers:
+            built._buffers[counter].fill_(123456)
+    built.reset_parameters()
+    fresh = layer(4)
+    for name, t in fresh.named_buffers():
+        assert torch.equal(dict(built.named_buffers())[name], t), name

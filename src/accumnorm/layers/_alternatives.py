@@ -26,6 +26,9 @@ from ._lazy import LazyNormMixin, _UninitializedBuffer, check_num_features
 __all__ = ["BatchRenorm2d", "StaleBatchNorm2d", "ChannelNorm", "affine"]
 
 
+_COUNTERS = ("num_batches_tracked", "step_count")  # a layer's scalar counters, which reset_parameters zeroes
+
+
 class ChannelNorm(LazyNormMixin, nn.Module):
     """Shared body: (C,) parameters and buffers with constant initial values, 4D input, lazy channels."""
 
@@ -65,10 +68,16 @@ class ChannelNorm(LazyNormMixin, nn.Module):
         self.num_features = c
 
     def reset_parameters(self) -> None:
-        """Every per-channel tensor back to its initial value (nothing to do while lazy)."""
-        if self.has_uninitialized_params() or self.num_features is None:
-            return
+        """Every per-channel tensor back to its initial value (nothing to do while lazy), and the counters of the
+        training forwards (`num_batches_tracked`, `step_count`) back to 0, as torch's BatchNorm resets its own: a
+        renorm's warm-up starts again, a momentum=None average too."""
         with torch.no_grad():
+            for name in _COUNTERS:
+                counter = self._buffers.get(name)
+                if counter is not None:
+                    counter.zero_()
+            if self.has_uninitialized_params() or self.num_features is None:
+                return
             for name, value in self._inits.items():
                 getattr(self, name).fill_(value)
 
