@@ -62,6 +62,8 @@ class Moments:
 
 def moments(x: Tensor) -> Moments:
     """Per-channel moments of x = (N, C, *) over every dimension but the channel one."""
+    if x.dim() < 2:
+        raise ValueError(f"moments expects an input of shape (N, C, *), got one of shape {tuple(x.shape)}")
     xa = x.to(_statistics_dtype(x.dtype))  # itself, or a float32 copy of a half-precision x
     if xa.numel() == 0:  # an empty piece of a batch (a mask that selects nothing): no values, no moments
         zeros = xa.new_zeros(x.shape[1])
@@ -93,7 +95,7 @@ def combine_moments(parts: Moments | Sequence[Moments]) -> Moments:
         parts = Moments(torch.stack([p.count for p in parts]), torch.stack([p.mean for p in parts]),
                         torch.stack([p.m2 for p in parts]))
     n = parts.count.sum()
-    w = (parts.count / n).unsqueeze(-1)
+    w = (parts.count / n.clamp_min(1)).unsqueeze(-1)  # no values at all: no moments (zeros), as `moments` gives them
     mean = (w * parts.mean).sum(0)
     m2 = (parts.m2 + parts.count.unsqueeze(-1) * (parts.mean - mean) ** 2).sum(0)
     return Moments(n, mean, m2)

@@ -1,4 +1,5 @@
 """The functional core against torch: moments that merge exactly, and BatchNorm's backward formula."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -67,3 +68,19 @@ def test_one_set_of_moments_not_stacked_is_its_own_union():
     one = combine_moments(moments(x))
     var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
     assert one.mean.shape == (3,) and rel_err(one.mean, mean) < 1e-12 and rel_err(one.var, var) < 1e-12
+
+
+def test_the_union_of_empty_pieces_has_no_moments_as_one_empty_piece():
+    """moments of an empty piece (a mask that selects nothing) are zeros; their union was 0/0, NaN mean and m2."""
+    empty = moments(torch.randn(0, 3, dtype=torch.float64))
+    union = combine_moments([empty, empty])
+    assert float(union.count) == 0
+    torch.testing.assert_close(union.mean, empty.mean)
+    torch.testing.assert_close(union.m2, empty.m2)
+    some = moments(torch.randn(4, 3, dtype=torch.float64))
+    torch.testing.assert_close(combine_moments([empty, some]).mean, some.mean)
+
+
+def test_moments_of_a_tensor_without_a_channel_dimension_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"moments expects an input of shape \(N, C, \*\), got one of shape \(5,\)"):
+        moments(torch.randn(5))
