@@ -151,8 +151,8 @@ class LoaderStreams:
         checkpoint's states go into its generators, those at the epoch's start where it is replayed."""
         holders = (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None),
                                                                       "sampler", None))
-        found = [g for g in (getattr(h, "generator", None) for h in holders) if isinstance(g, torch.Generator)]
-        self.generators = [g for i, g in enumerate(found) if all(g is not f for f in found[:i])]
+        found = (getattr(h, "generator", None) for h in holders)
+        self.generators = list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
         resumed, self.resumed = self.resumed, None
         states = None if resumed is None else resumed["epoch_start" if mid_epoch else "now"]
         if states is None:  # none resumed, or a checkpoint written before these states were kept

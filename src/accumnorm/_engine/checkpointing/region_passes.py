@@ -83,7 +83,7 @@ class RegionPasses:
         self.modules = [d for m in region_modules(entries[0].region) for d in m.modules()]
         # The BatchNorm layers whose call counters each recomputation's forwards count up again: put back after it,
         # with the step's count of the calls it saw, so that a layer's own factor from its counter is the forward's.
-        self.counted = [d for m in region_modules(entries[0].region) for d in m.modules()
+        self.counted = [d for d in self.modules
                         if isinstance(d, _BatchNorm) and d._buffers.get("num_batches_tracked") is not None]
 
     def take_outputs(self) -> list[Tensor]:

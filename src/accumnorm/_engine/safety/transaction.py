@@ -145,10 +145,8 @@ class Transaction:
     def rollback(self) -> None:
         """The gradients, parameters, buffers, submodules and train/eval modes as they were before the step."""
         for m, parameters_before, modules_before in self.registered:
-            for table, names in ((m._parameters, parameters_before), (m._modules, modules_before)):
-                if tuple(table) != names:
-                    for name in [name for name in table if name not in names]:
-                        del table[name]
+            _take_out_added(m._parameters, parameters_before)
+            _take_out_added(m._modules, modules_before)
         for m, name, p in self.slots:
             m._parameters[name] = p
         for m, training in zip(self.modules, self.training):
@@ -166,15 +164,22 @@ class Transaction:
     def restore_buffers(self) -> None:
         """Every buffer (the very tensor, and its values) as it was before the step, and none it registered."""
         for m, names in zip(self.modules, self.buffer_names):
-            if names is not None and tuple(m._buffers) != names:
-                for name in [name for name in m._buffers if name not in names]:
-                    del m._buffers[name]
+            if names is not None:
+                _take_out_added(m._buffers, names)
         with torch.no_grad():
             for m, name, b, saved in self.buffers:
                 m._buffers[name] = b
                 if b.shape != saved.shape:  # resized in place (an observer's, from empty at its first forward)
                     b.resize_(saved.shape)
                 b.copy_(saved)
+
+
+def _take_out_added(table: dict[str, object], names: tuple[str, ...]) -> None:
+    """Take out of a module's table (of parameters, buffers or submodules) the entries not among `names`, its names
+    before the step."""
+    if tuple(table) != names:
+        for name in [name for name in table if name not in names]:
+            del table[name]
 
 
 def _adds_in_place(old: Tensor, new: Tensor) -> bool:

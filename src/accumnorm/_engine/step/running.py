@@ -69,9 +69,9 @@ class RunningStatistics:
         targets = [(t, value) for t, value in pairs if t is not None and value is not None]
         if not targets:
             return
+        tensors = [t for t, _ in targets]
         if check:
-            self.ledger.check_statistics_untouched([t for t, _ in targets], self.names)
+            self.ledger.check_statistics_untouched(tensors, self.names)
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            torch._foreach_copy_([t for t, _ in targets], [value for _, value in targets])
-        self.ledger.statistics_written([t for t, _ in targets])
-
+            torch._foreach_copy_(tensors, [value for _, value in targets])
+        self.ledger.statistics_written(tensors)
