@@ -851,3 +851,72 @@ def test_an_instance_norm_with_running_statistics_in_batch_loss_fn_moves_them_on
     for name, want in norm.state_dict().items():
         torch.testing.assert_close(our_norm.state_dict()[name], want, rtol=1e-12, atol=1e-15, msg=name)
     torch.testing.assert_close(our_norm.weight.grad, norm.weight.grad, rtol=1e-10, atol=1e-14)
+
+
+class InstanceNormed(nn.Module):
+    """A net with an InstanceNorm layer that tracks running statistics, which its batch_loss_fn calls again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+        self.inorm = nn.InstanceNorm1d(3, track_running_stats=True, momentum=0.3)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(self.inorm(self.conv(x)).pow(2).mean(2))
+
+
+def _instance_normed_loss(model: InstanceNormed) -> Callable:
+    def loss(outputs, targets):  # the model's layer over the whole batch's outputs, then a read of what it moved
+        spread = model.inorm(outputs.view(-1, 1, 2).expand(-1, 3, 2) * torch.tensor([1.0, 2.0], dtype=outputs.dtype))
+        return F.mse_loss(outputs, targets) + spread.pow(2).mean() + model.inorm.running_var.sum() * outputs.mean()
+    return loss
+
+
+@pytest.mark.parametrize("schedule", ["layerwise", "passes"])
+def test_an_instance_norm_in_batch_loss_fn_moves_its_running_statistics_once_after_the_forwards(schedule):
+    """Under passes, an InstanceNorm call in batch_loss_fn moved the running statistics in place, and the step then
+    put them back as before it: the move was lost (running_var 0.22 off after one step, the next steps' losses and
+    gradients wrong, silently). It is now noted after the forwards' calls, and found moved by a read after it."""
+    ref = InstanceNormed().double()
+    ours = copy.deepcopy(ref)
+    x, y = torch.randn(10, 2, 5, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+    for step in range(3):
+        ref.zero_grad(set_to_none=True)
+        ours.zero_grad(set_to_none=True)
+        expected = _instance_normed_loss(ref)(ref(x + step), y)
+        expected.backward()
+        loss = accumnorm.backward(ours, x + step, micro_batch_size=3, forward_fn=lambda m, b: m(b),
+                                  batch_loss_fn=_instance_normed_loss(ours), targets=y, schedule=schedule)
+        assert rel_err(loss, expected) < 1e-12
+        compare(ref, ours, 1e-9)
+
+
+class OneMoreCall(nn.Module):
+    """A net whose forward makes one more batch-statistics call (a BatchNorm, or an InstanceNorm that tracks running
+    statistics) for a batch holding a marked sample."""
+
+    def __init__(self, more: nn.Module) -> None:
+        super().__init__()
+        self.conv, self.bn, self.more, self.fc = nn.Conv1d(2, 3, 3, padding=1), nn.BatchNorm1d(3), more, nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = self.bn(self.conv(x))
+        return self.fc((self.more(h) if (x[:, 0, 0] > 100).any() else h).mean(2))
+
+
+@pytest.mark.parametrize("more", [nn.BatchNorm1d(3), nn.InstanceNorm1d(3, track_running_stats=True)],
+                         ids=["batch_norm", "instance_norm"])
+def test_passes_refuses_a_micro_batch_with_one_more_call_than_the_first_under_a_whole_batch_loss(more):
+    """Under passes with a whole-batch loss, the forwards that give the loss's outputs took a call past micro-batch
+    0's last for a new one: a BatchNorm's was refused as a count of calls off by one in another micro-batch, an
+    InstanceNorm's reached batch_loss_fn as a forward's output that was no tensor. Each is refused at the call now,
+    naming the micro-batch and the call, with nothing changed."""
+    model = OneMoreCall(more).double()
+    x, y = torch.randn(9, 2, 5, dtype=torch.float64), torch.randn(9, 2, dtype=torch.float64)
+    x[4, 0, 0] = 200.0
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=f"micro-batch 1 made {type(more).__name__[:-2]} call "):
+        accumnorm.backward(model, x, micro_batch_size=3, forward_fn=lambda m, b: m(b), batch_loss_fn=F.mse_loss,
+                           targets=y, schedule="passes")
+    assert_unchanged(model, snap)

@@ -4,7 +4,9 @@ A BN call's statistics depend on every BN call below it, and its backward sums, 
 sum(dy * x_hat), on every BN call above it. With L BN calls and nothing kept between passes:
 
   1. L statistics passes, bottom up: pass j runs the forward up to call j (calls below use their
-     now-known whole-batch statistics), adds each micro-batch's moments there, and stops.
+     now-known whole-batch statistics), adds each micro-batch's moments there, and stops. An InstanceNorm
+     call that tracks running statistics gets a pass of its own, to fix how its call moves them: the
+     passes after it find them moved at the call, as a read after it in whole-batch torch does.
   2. Backward sums, top down. Calls t..L-1 (the top ones) each get a "sums pass": forward with grad
      from call j up, backward down to call j's input, where its sums are added up.
   3. One full pass: forward and backward of every micro-batch, accumulating parameter gradients.
@@ -16,13 +18,14 @@ sum(dy * x_hat), on every BN call above it. With L BN calls and nothing kept bet
      term from there (gradients are linear, so adding it later is exact), adding to the sums below.
 
 That is 2L + 1 passes, the fewest a micro-batch-at-a-time schedule allows (a whole-batch loss adds one: every
-micro-batch's outputs, for the loss's gradient at each). A sums pass costs the network above its call, a
-correction pass the part below, so the split `t` puts the bottom half under corrections (t = 0 with a module's
-full backward hook, which sees no gradient that enters the module's input without passing its output, as a
-correction does). Memory stays that of one micro-batch. Every pass replays the micro-batch's random numbers
-and the modules' attributes as the step found them (a flag loss_fn sets is not read by the next run), and runs
-with grad, as one forward would; a backward inside a forward that reaches a BN call, or the parameters
-before the full pass, would count once per pass: refused.
+micro-batch's outputs, for the loss's gradient at each; so does each InstanceNorm call that tracks running
+statistics). A sums pass costs the network above its call, a correction pass the part below, so the split `t`
+puts the bottom half under corrections (t = 0 with a module's full backward hook, which sees no gradient that
+enters the module's input without passing its output, as a correction does). Memory stays that of one
+micro-batch. Every pass replays the micro-batch's random numbers and the modules' attributes as the step found
+them (a flag loss_fn sets is not read by the next run), and runs with grad, as one forward would; a backward
+inside a forward that reaches a BN call, or the parameters before the full pass, would count once per pass:
+refused.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ...functional import Moments, moments
@@ -54,7 +58,6 @@ from .passes_refusals import (
     not_the_same,
     torchs_refusals_said,
     whole_batch_call,
-    whole_batch_instance_norm,
 )
 
 __all__ = ["Passes"]
@@ -90,6 +93,11 @@ class _Passes:
         self.k = 0  # the micro-batch being run
         self.index = 0  # BN calls seen so far in its current forward
         self.instance_norms = 0  # InstanceNorm calls seen so far in its current forward
+        # the running statistics after each InstanceNorm call whose pieces are all in (`_statistics`), and whether the
+        # current micro-batch's statistics pass stopped at the next one
+        self.moved_instance_norms: list[tuple[Tensor, Tensor | None] | None] = []
+        self.at_instance_norm = False
+        self.finding = False  # whether the statistics passes run, which find the calls: one deeper per pass
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
         self.runs = SameRuns()  # each micro-batch's BatchNorm inputs and loss, as its first run gave them
@@ -99,7 +107,9 @@ class _Passes:
     def run(self) -> None:
         with self.step.norm_calls(self._batch_norm, self._instance_norm), autocast_cache_off(), self.running, \
                 torchs_refusals_said():
+            self.finding = True
             self._statistics()
+            self.finding = False
             finished = None  # the modules' attributes as whole-batch torch's one run leaves them, for after the step
             if self.step.objective.whole:
                 self._output_gradients()
@@ -124,7 +134,7 @@ class _Passes:
         if not self.forwarding:  # in batch_loss_fn, over the whole batch's outputs: torch's call, as under layerwise
             return whole_batch_call(bn, self.step.describe(bn))
         i, self.index = self.index, self.index + 1
-        if i == len(self.calls) and self.mode == self.STATS and i == self.target:
+        if i == len(self.calls) and self.finding and i == self.target:
             # The first time a forward gets this deep: a new call (its input without the graph below, which goes).
             self.calls.append(_PassCall(dataclasses.replace(bn, input=bn.input.detach())))
         if i >= len(self.calls):
@@ -178,11 +188,24 @@ class _Passes:
         return output(x)
 
     def _instance_norm(self, call: INCall) -> Tensor:
-        if not self.forwarding:  # in batch_loss_fn, over the whole batch's outputs
-            return whole_batch_instance_norm(call)
-        if self.mode == self.FULL:  # each micro-batch's one complete forward
-            self.step.ledger.instance_norm(call, self.instance_norms, self.step.names)
-            self.instance_norms += 1
+        if not self.forwarding and call.module is None:  # a layer outside the model in batch_loss_fn: torch's call
+            return F.instance_norm(call.input, call.running_mean, call.running_var, call.weight, call.bias, True,
+                                   call.momentum, call.eps)
+        if not self.forwarding:  # the model's, in batch_loss_fn: moved after the forward's calls, at the step's end
+            index = self.step.ledger.instance_norm_of_the_batch(call, self.step.names)
+            self.running.moved(call, self.running.after_instance_norm(
+                call, *self.step.ledger.instance_norm_statistics(index)))
+            return call.output()
+        n, self.instance_norms = self.instance_norms, self.instance_norms + 1
+        if n == len(self.moved_instance_norms):  # a call not every micro-batch has made yet: a statistics pass's stop
+            if not self.finding:
+                raise not_the_same(self.k, f"InstanceNorm call {n} ({self.step.describe(call)})",
+                                   f"{n} InstanceNorm calls")
+            self.step.ledger.instance_norm(call, n, self.step.names)
+            self.at_instance_norm = True
+            raise StopPass
+        self.step.ledger.check_instance_norm(call, n, self.step.names)
+        self.running.moved(call, self.moved_instance_norms[n])  # a later read finds them moved, as torch's call does
         if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
             self.step.regions.enter_instance_norm()
         return call.output()
@@ -223,15 +246,27 @@ class _Passes:
         return loss
 
     def _statistics(self) -> None:
-        """Passes 1..L: whole-batch statistics, one BN call deeper per pass, until a forward completes."""
+        """Passes 1..L: whole-batch statistics, one call deeper per pass, until a forward completes (and a pass to each
+        InstanceNorm call that tracks running statistics, whose move a later read must find at the call)."""
         while True:
             j = len(self.calls)
             self.mode, self.target = self.STATS, j
+            stops = []  # whether each micro-batch stopped at an InstanceNorm call (else at call j)
             for k in self._each():
+                self.at_instance_norm = False
                 result = self._forward(k)
+                made = [f"BatchNorm call {j} next", f"InstanceNorm call {len(self.moved_instance_norms)} next"]
                 if result is not _STOPPED:  # micro-batch 0 never reached call j: there are j
+                    if k:
+                        raise not_the_same(k, "no more calls", made[stops[0]])
                     self.user_functions = holds_user_functions(tensor_leaves(result))
                     return
+                stops.append(self.at_instance_norm)
+                if stops[k] != stops[0]:
+                    raise not_the_same(k, made[stops[k]], made[stops[0]])
+            if stops[0]:  # the pass stopped at an InstanceNorm call that tracks running statistics
+                self._fix_instance_norm()
+                continue
             call = self.calls[j]
             self.step.meeting.check_count(call.rows, call.first.input.shape)
             call.first.stats = self.step.meeting.joint_moments(call.parts)
@@ -239,6 +274,14 @@ class _Passes:
             call.running = self.running.after(call.first, call.first.stats, factor)
             call.parts = []
             call.sums = GradSums(call.stats.mean.shape[0], call.stats.count)
+
+    def _fix_instance_norm(self) -> None:
+        """Every micro-batch stopped at the next InstanceNorm call, its piece in: the call's move of its running
+        statistics is known, and the later passes make it at the call."""
+        n = len(self.moved_instance_norms)
+        call = self.step.ledger.instance_norms[n].call
+        self.moved_instance_norms.append(
+            self.running.after_instance_norm(call, *self.step.ledger.instance_norm_statistics(n)))
 
     def _output_gradients(self) -> None:
         """With a whole-batch loss: every micro-batch's outputs (no graph, every call with its statistics), the loss
@@ -286,6 +329,7 @@ class _Passes:
         first = call.first
         for k in self._each():
             self._forward(k)
+            self.running.finish()  # the backward finds them as after the whole forward, not the pass stopped at j
             x, call.input = call.input, None
             if not x.requires_grad:  # nothing below this call learns: no correction to send down
                 return

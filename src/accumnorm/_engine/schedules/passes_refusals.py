@@ -7,14 +7,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..checkpointing.again import CannotCheck, fingerprint, same_outputs
-from ..intercept.calls import BNCall, INCall
+from ..intercept.calls import BNCall
 
 __all__ = ["SameRuns", "another_input", "another_result", "not_the_same", "torchs_refusals_said",
-           "whole_batch_call", "whole_batch_instance_norm"]
+           "whole_batch_call"]
 
 
 @contextmanager
@@ -68,13 +67,13 @@ class SameRuns:
                 "schedule='layerwise', which runs each forward once") from None
 
 
-def not_the_same(k: int, made: str, calls: int) -> ValueError:
+def not_the_same(k: int, made: str, calls: int | str) -> ValueError:
     """The refusal of micro-batch k's forward, which `made` other batch-statistics calls than the first run's
     `calls`."""
     first = "its forward made the first time" if k == 0 else "micro-batch 0 made"
     return ValueError(
-        f"bn='exact' needs every micro-batch to make the same BatchNorm calls in the same order each time its "
-        f"forward runs, but micro-batch {k} made {made} where {first} {calls}. The passes schedule runs "
+        f"bn='exact' needs every micro-batch to make the same BatchNorm and InstanceNorm calls in the same order each "
+        f"time its forward runs, but micro-batch {k} made {made} where {first} {calls}. The passes schedule runs "
         "each micro-batch's forward 2L + 1 times: a function that changes the model (model.eval(), a module's "
         "attribute) changes the runs after it. Nothing was changed. Use schedule='layerwise', which runs each "
         "forward once")
@@ -112,11 +111,3 @@ def whole_batch_call(bn: BNCall, where: str) -> Tensor:
                          "step does not count the training forwards of the model's layers. Nothing was changed. Run "
                          "that layer in the forward, or pass bn='micro'")
     return torch.batch_norm(bn.input, bn.weight, bn.bias, None, None, True, 0.0, bn.eps, torch.backends.cudnn.enabled)
-
-
-def whole_batch_instance_norm(call: INCall) -> Tensor:
-    """An instance norm with running statistics in batch_loss_fn, over the whole batch's outputs: torch's call, which
-    moves them once, as the whole batch's forward does (the passes' own handling leaves them to its ledger, which
-    counts the micro-batches' forwards only)."""
-    return F.instance_norm(call.input, call.running_mean, call.running_var, call.weight, call.bias, True, call.momentum,
-                           call.eps)

@@ -41,6 +41,7 @@ class _InstanceNormStats:
     sum_mean: Tensor | float = 0.0
     sum_var: Tensor | float = 0.0
     moved: bool = False  # its running statistics moved at the call (`move_instance_norm_now`)
+    totals: tuple[Tensor, Tensor] | None = None  # the whole batch's statistics, once every piece is in (`_totals`)
 
 
 class Ledger:
@@ -146,17 +147,32 @@ class Ledger:
             self.instance_norms.append(_InstanceNormStats(call))
             self.norms.add(call.module)
             self.updated.update(id(t) for t in (call.running_mean, call.running_var) if t is not None)
-        entry = self.instance_norms[index]
-        if entry.call.running_mean is not call.running_mean:
-            raise ValueError(f"bn='exact' needs every micro-batch to make the same InstanceNorm calls in the same "
-                             f"order; at InstanceNorm call {index} one made {describe(call, names)} where "
-                             f"micro-batch 0 made {describe(entry.call, names)}")
+        entry = self.check_instance_norm(call, index, names)
         x = call.input.detach().flatten(2)
         with torch.no_grad():  # torch's instance_norm: per-sample mean and unbiased variance, averaged over samples
             var, mean = torch.var_mean(x if x.dtype == torch.float64 else x.float(), dim=2, correction=1)
         entry.count += call.input.shape[0]
         entry.sum_mean = entry.sum_mean + mean.sum(0)
         entry.sum_var = entry.sum_var + var.sum(0)
+
+    def instance_norm_of_the_batch(self, call: INCall, names: Mapping[nn.Module, str]) -> int:
+        """Note an InstanceNorm call over the whole batch at once (in batch_loss_fn, under a schedule whose running
+        statistics move at the step's end), after the forward's calls, with its statistics as torch's call has them
+        (this rank's); its index."""
+        index = len(self.instance_norms)
+        self.instance_norm(call, index, names)
+        entry = self.instance_norms[index]
+        entry.totals = (entry.sum_mean / entry.count, entry.sum_var / entry.count)
+        return index
+
+    def check_instance_norm(self, call: INCall, index: int, names: Mapping[nn.Module, str]) -> _InstanceNormStats:
+        """Raise unless `call` is InstanceNorm call `index` as micro-batch 0 made it (on the same layer)."""
+        entry = self.instance_norms[index]
+        if entry.call.running_mean is not call.running_mean:
+            raise ValueError(f"bn='exact' needs every micro-batch to make the same InstanceNorm calls in the same "
+                             f"order; at InstanceNorm call {index} one made {describe(call, names)} where "
+                             f"micro-batch 0 made {describe(entry.call, names)}")
+        return entry
 
     def move_instance_norm_now(self, index: int) -> None:
         """Every micro-batch's piece of InstanceNorm call `index` is in (they met at it): its running statistics
@@ -182,11 +198,24 @@ class Ledger:
                                      torch._foreach_add([self.tracked_before[m] for m in layers],
                                                         [self.calls_so_far.get(m, 0) for m in layers]))
 
+    def instance_norm_statistics(self, index: int) -> tuple[Tensor, Tensor]:
+        """InstanceNorm call `index`'s statistics over the whole batch, every micro-batch's piece in (on every rank):
+        the mean over the samples of each one's mean and unbiased variance, by which torch's kernel moves its running
+        statistics."""
+        return self._totals(self.instance_norms[index])
+
+    def _totals(self, entry: _InstanceNormStats) -> tuple[Tensor, Tensor]:
+        if entry.totals is None:
+            count = entry.sum_mean.new_full((1,), entry.count)
+            total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
+            n, (mean, var) = total[0], total[1:].chunk(2)
+            entry.totals = (mean / n, var / n)
+        return entry.totals
+
     def _move_instance_norm(self, entry: _InstanceNormStats) -> None:
-        count = entry.sum_mean.new_full((1,), entry.count)
-        total = self.collectives.sum_(torch.cat([count, entry.sum_mean, entry.sum_var]))
-        n, (mean, var), call = total[0], total[1:].chunk(2), entry.call
-        update_running_stats_(call.running_mean, call.running_var, mean / n, var / n, call.momentum)
+        mean, var = self._totals(entry)
+        call = entry.call
+        update_running_stats_(call.running_mean, call.running_var, mean, var, call.momentum)
 
     def counted_layers_by_device(self) -> list[list[_BatchNorm]]:
         """The BatchNorm layers whose num_batches_tracked the step counts, grouped by the counter's device (for ops

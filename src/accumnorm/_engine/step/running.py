@@ -1,22 +1,22 @@
 """Running statistics as the forwards of a schedule that runs them several times find them.
 
 The passes schedule runs each micro-batch's forward 2L + 1 times and updates the running statistics once, at
-the step's end, from the whole batch's statistics of each call. A forward may read them on its way (an
-eval-mode call on the same layer after its training call, a loss term, a teacher pass after the student's): it
-must find them as the whole batch's forward would at that point, moved by the calls before and by none after.
-Before each write, the ledger checks that no forward wrote them since (`Ledger.check_statistics_untouched`): a hook
-that decays them would do it once per pass.
+the step's end, from the whole batch's statistics of each call (BatchNorm's, and InstanceNorm's that track them). A
+forward may read them on its way (an eval-mode call on the same layer after its training call, a loss term, a
+teacher pass after the student's): it must find them as the whole batch's forward would at that point, moved by the
+calls before and by none after. Before each write, the ledger checks that no forward wrote them since
+(`Ledger.check_statistics_untouched`): a hook that decays them would do it once per pass.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from ...functional import Moments, update_running_stats_
-from ..intercept.calls import BNCall
+from ..intercept.calls import BNCall, INCall
 from .ledger import Ledger
 
 __all__ = ["RunningStatistics"]
@@ -36,6 +36,16 @@ class RunningStatistics:
     def after(self, call: BNCall, stats: Moments, factor: float | None) -> tuple[Tensor, Tensor | None] | None:
         """The running statistics after `call`, a call of the whole batch with `stats` (the calls recorded in
         forward order): its update applied to the values after the last call before it on the same tensors."""
+        return self._next(call, lambda mean, var: update_running_stats_(
+            mean, var, stats.mean, stats.unbiased_var, factor, stats.count))
+
+    def after_instance_norm(self, call: INCall, mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor | None] | None:
+        """The running statistics after `call`, an InstanceNorm call of the whole batch whose samples' statistics
+        average to `mean` and `var` (`Ledger.instance_norm_statistics`), as `after` gives a BatchNorm call's."""
+        return self._next(call, lambda m, v: update_running_stats_(m, v, mean, var, call.momentum))
+
+    def _next(self, call: BNCall | INCall,
+              update: Callable[[Tensor, Tensor | None], None]) -> tuple[Tensor, Tensor | None] | None:
         mean, var = call.running_mean, call.running_var
         if mean is None:
             return None
@@ -43,14 +53,21 @@ class RunningStatistics:
             self.before[id(mean)] = (mean, var, mean.clone(), None if var is None else var.clone())
         last_mean, last_var = self.now.get(id(mean), self.before[id(mean)][2:])
         new = (last_mean.clone(), None if last_var is None else last_var.clone())
-        update_running_stats_(*new, stats.mean, stats.unbiased_var, factor, stats.count)
+        update(*new)
         self.now[id(mean)] = new
         return new
 
-    def moved(self, call: BNCall, values: tuple[Tensor, Tensor | None] | None) -> None:
-        """A forward made `call`, whose running statistics are now `values` (None: not known yet, or none)."""
+    def moved(self, call: BNCall | INCall, values: tuple[Tensor, Tensor | None] | None) -> None:
+        """A forward made `call`, whose running statistics are now `values` (None: not known yet, or none). As torch
+        moves them: BatchNorm's kernel without counting a version, InstanceNorm's by a `copy_`, which counts one (a
+        tensor saved before it for a backward is then refused there, as in torch)."""
         if values is not None:
-            self._put([(call.running_mean, values[0]), (call.running_var, values[1])])
+            self._put([(call.running_mean, values[0]), (call.running_var, values[1])], counted=isinstance(call, INCall))
+
+    def finish(self) -> None:
+        """Each as the whole batch's forward leaves it, every call made: as a backward finds it, which runs after the
+        forward (an eval-mode call's, which saved them before a later call moved them), for a pass stopped short."""
+        self._put([pair for mean, var, _, _ in self.before.values() for pair in zip((mean, var), self.now[id(mean)])])
 
     def restore(self, check: bool = True) -> None:
         self._put([pair for mean, var, old_mean, old_var in self.before.values()
@@ -62,7 +79,7 @@ class RunningStatistics:
     def __exit__(self, *exc: object) -> None:
         self.restore(check=False)
 
-    def _put(self, pairs: list[tuple[Tensor | None, Tensor | None]], check: bool = True) -> None:
+    def _put(self, pairs: list[tuple[Tensor | None, Tensor | None]], check: bool = True, counted: bool = False) -> None:
         """Copy each value into its tensor, where both are (a layer without running variance has None for it): in one
         call, outside the step's torch-function mode. A step runs this at every BatchNorm call of every pass, and for
         every layer at each micro-batch's start."""
@@ -72,6 +89,8 @@ class RunningStatistics:
         tensors = [t for t, _ in targets]
         if check:
             self.ledger.check_statistics_untouched(tensors, self.names)
+        # Uncounted through `.data`, as torch's batch-norm kernel moves them: an eval-mode call earlier in the forward
+        # saved them for its backward, which a counted write would refuse.
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            torch._foreach_copy_(tensors, [value for _, value in targets])
+            torch._foreach_copy_(tensors if counted else [t.data for t in tensors], [value for _, value in targets])
         self.ledger.statistics_written(tensors)
