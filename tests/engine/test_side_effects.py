@@ -246,6 +246,38 @@ def test_passes_refuses_micro_batches_that_part_at_an_instance_norm_call(last):
     assert_unchanged(model, snap)
 
 
+class SavesRunningVariance(nn.Module):
+    """Multiplies by its InstanceNorm layer's running variance (autograd saves it for the backward), then calls the
+    layer again, which moves it in place: whole-batch torch refuses the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 3, padding=1)
+        self.inorm = nn.InstanceNorm1d(3, track_running_stats=True, momentum=0.25)
+        self.bn, self.fc = nn.BatchNorm1d(3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        h = torch.tanh(self.inorm(self.conv(x)) * self.inorm.running_var.view(1, -1, 1))
+        return self.fc(self.bn(self.inorm(h)).pow(2).mean(2))
+
+
+@pytest.mark.parametrize("options", [{"schedule": s} for s in STEP_SCHEDULES] + [{"memory_budget": 20_000}],
+                         ids=[*STEP_SCHEDULES, "auto-budget"])
+def test_a_saved_tensor_changed_in_place_before_the_backward_is_refused_as_torch_refuses_it(options):
+    """torch refuses a backward that reads a saved tensor changed in place since (here a running variance, moved by
+    the layer's next call). Saved-tensor hooks turn that check off: "auto"'s metered first step, the store and the
+    memory bound back-propagated the changed value, 23% off, silently; so did passes, whose statistics moved
+    uncounted. Each now checks the version it saved, and passes moves InstanceNorm's statistics counted, as torch."""
+    model = SavesRunningVariance().double()
+    x, y = torch.randn(10, 2, 6, dtype=torch.float64), torch.randn(10, 2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        F.mse_loss(copy.deepcopy(model)(x), y).backward()
+    snap = snapshot(model)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        accumnorm.backward(model, (x, y), lambda m, b: F.mse_loss(m(b[0]), b[1]), micro_batch_size=3, **options)
+    assert_unchanged(model, snap)
+
+
 def test_batch_renorm_under_exact_mode_is_refused_saying_why_and_what_to_use(schedule):
     model = vgg(nn.Tanh, norm=lambda c: accumnorm.BatchRenorm2d(c))
     batch = data((1, 16, 16), 8)

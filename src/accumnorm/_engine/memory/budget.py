@@ -38,7 +38,7 @@ from torch.nn.parameter import is_lazy
 
 from ..safety import untraced
 from .objects import object_bytes
-from .store import Store, alias, python_tensor
+from .store import Store, keep, python_tensor, unkeep
 
 __all__ = ["Choice", "Figure", "Meter", "OverBudget", "check_budget", "check_budget_fits_passes", "default_budget",
            "figures", "format_bytes", "gradient_bytes", "last_schedule", "model_device", "record_choice",
@@ -286,7 +286,7 @@ class Meter:
 
     def pack(self, t: Tensor) -> Any:
         self.count(t)
-        return self.store.pack(t) if self.store is not None else alias(t)
+        return self.store.pack(t) if self.store is not None else keep(t)
 
     def unpack(self, packed: Any) -> Tensor:
-        return packed if self.store is None else self.store.unpack(packed)
+        return unkeep(packed) if self.store is None else self.store.unpack(packed)

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..safety import untraced
-from .store import alias
+from .store import keep, unkeep
 
 __all__ = ["ResidentBound", "release_free_memory"]
 
@@ -104,8 +104,8 @@ class ResidentBound:
         free pages between the schedule's own readings."""
         if not self.active:
             return store.hooks() if store is not None else nullcontext()
-        pack = store.pack if store is not None else alias
-        unpack = store.unpack if store is not None else _itself
+        pack = store.pack if store is not None else keep
+        unpack = store.unpack if store is not None else unkeep
 
         def checked(packed: Any) -> Tensor:
             self.check()
@@ -139,10 +139,6 @@ class ResidentBound:
         except OSError:  # no /proc: nothing to read, nothing done
             self.active = False
             return 0
-
-
-def _itself(t: Tensor) -> Tensor:
-    return t
 
 
 def _page_size() -> int | None:

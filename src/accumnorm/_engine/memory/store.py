@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..safety import untraced
 
-__all__ = ["Store", "alias", "python_tensor", "resolve_store", "store_for"]
+__all__ = ["Saved", "Store", "keep", "python_tensor", "resolve_store", "store_for", "unkeep"]
 
 # Copies back started ahead of the backward: enough to hide one copy behind the compute of the previous ones,
 # few enough that the device holds little beyond what the backward reads next.
@@ -56,11 +56,31 @@ def resolve_store(store: Any) -> torch.device:
     raise TypeError(f"store must be None, 'cpu' or a torch.device, got {type(store).__name__} {store!r}")
 
 
-def alias(t: Tensor) -> Tensor:
-    """A saved tensor kept where it is: itself, but a node's output as a detached alias, which would otherwise hold its
-    own node, a cycle through autograd's C++ that Python's collector cannot see and that keeps a failed step's graph
-    (and its model) alive."""
-    return t if t.grad_fn is None else t.detach()
+class Saved(NamedTuple):
+    """A saved tensor kept where it is, and its version when autograd saved it (`keep`)."""
+
+    tensor: Tensor
+    version: int
+
+
+def keep(t: Tensor) -> Saved:
+    """A saved tensor kept where it is: itself, but a node's output as a detached alias (which shares its version
+    counter), which would otherwise hold its own node, a cycle through autograd's C++ that Python's collector cannot
+    see and that keeps a failed step's graph (and its model) alive. With its version: saved-tensor hooks turn off
+    torch's check that nothing changed a saved tensor in place before the backward, which `unkeep` makes again."""
+    return Saved(t if t.grad_fn is None else t.detach(), t._version)
+
+
+def unkeep(kept: Saved) -> Tensor:
+    """The kept tensor, refused as torch's backward refuses it if it was changed in place since it was saved."""
+    t, version = kept
+    if t._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {version} instead. Hint: "
+            "autograd saved it in a forward of accumnorm's step, and it was changed in place before the backward read "
+            "it, which torch refuses")
+    return t
 
 
 class Store:
@@ -76,10 +96,8 @@ class Store:
 
     def pack(self, t: Tensor) -> Any:
         # Parameters are kept by reference: copying a weight once per micro-batch would only waste memory.
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
-            return t
-        if t.device == self.device:
-            return alias(t)
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad) or t.device == self.device:
+            return keep(t)
         if self._host is not None and t.is_cuda:
             return self._host.pack(t)
         packed = torch.empty_like(t, device=self.device)
@@ -87,8 +105,8 @@ class Store:
         return t.device, packed
 
     def unpack(self, packed: Any) -> Tensor:
-        if isinstance(packed, Tensor):
-            return packed
+        if isinstance(packed, Saved):
+            return unkeep(packed)
         if isinstance(packed, _OnHost):
             return self._host.unpack(packed)
         device, t = packed
