@@ -100,7 +100,7 @@ class _Passes:
         self.finding = False  # whether the statistics passes run, which find the calls: one deeper per pass
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
-        self.runs = SameRuns()  # each micro-batch's BatchNorm inputs and loss, as its first run gave them
+        self.runs = SameRuns(len(step.micro_batches))  # each micro-batch's BatchNorm inputs and loss, as its first run
         self.running = RunningStatistics(step.ledger, step.names)
         self.user_functions = False  # whether a complete forward's graph holds a custom autograd.Function of yours
 

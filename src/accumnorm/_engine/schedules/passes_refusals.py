@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,18 +46,24 @@ class SameRuns:
     outputs), against its first run's (`again.same_outputs`). Checked at each pass's target, at every call of the full
     pass, and at the end of every complete run, so that a forward that draws numbers outside torch's generators, reads
     state its earlier runs changed, or loses draws of its stream to another thread, is refused rather than
-    back-propagated with the statistics, sums and losses of other runs."""
+    back-propagated with the statistics, sums and losses of other runs.
 
-    def __init__(self) -> None:
-        self.first: dict[tuple[int | None, int], Tensor] = {}  # (BatchNorm call, or None: the loss; micro-batch)
+    The first runs' fingerprints are kept in one block per place, a row per micro-batch: one small tensor per call and
+    micro-batch was, on a net of small layers, much of what the step itself held."""
+
+    def __init__(self, micro_batches: int) -> None:
+        self.micro_batches = micro_batches
+        # BatchNorm call, or None (the loss) -> [each micro-batch's first fingerprint there, the rows filled as bits]
+        self.first: dict[int | None, list[Any]] = {}
+        self.apart: dict[tuple[int | None, int], Tensor] = {}  # one of another shape than micro-batch 0's there
 
     def same(self, where: int | None, k: int, tensors: list[Tensor]) -> bool:
         """Whether micro-batch k's `tensors` at `where` (a BatchNorm call's index, or None for its loss) are its
         first run's there; the first run's are kept."""
-        seen = self.first.get((where, k))
         try:
+            seen = self._seen(where, k)
             if seen is None:
-                self.first[(where, k)] = fingerprint(tensors)
+                self._keep(where, k, fingerprint(tensors))
                 return True
             return same_outputs(tensors, seen)
         except CannotCheck as e:
@@ -65,6 +72,24 @@ class SameRuns:
                 f"bn='exact': the passes schedule runs each micro-batch's forward 2L + 1 times and checks that each "
                 f"run gives the same, but micro-batch {k}'s {what} cannot be checked: {e}. Nothing was changed. Use "
                 "schedule='layerwise', which runs each forward once") from None
+
+    def _seen(self, where: int | None, k: int) -> Tensor | None:
+        block = self.first.get(where)
+        if block is not None and block[1] >> k & 1:
+            with torch._C.DisableTorchFunction():
+                return block[0][k]
+        return self.apart.get((where, k))
+
+    def _keep(self, where: int | None, k: int, prints: Tensor) -> None:
+        block = self.first.get(where)
+        with torch._C.DisableTorchFunction():
+            if block is None:
+                block = self.first[where] = [prints.new_empty((self.micro_batches, *prints.shape)), 0]
+            if block[0].shape[1:] != prints.shape:
+                self.apart[(where, k)] = prints
+                return
+            block[0][k] = prints
+        block[1] |= 1 << k
 
 
 def not_the_same(k: int, made: str, calls: int | str) -> ValueError:
