@@ -192,9 +192,7 @@ class _Passes:
             return F.instance_norm(call.input, call.running_mean, call.running_var, call.weight, call.bias, True,
                                    call.momentum, call.eps)
         if not self.forwarding:  # the model's, in batch_loss_fn: moved after the forward's calls, at the step's end
-            index = self.step.ledger.instance_norm_of_the_batch(call, self.step.names)
-            self.running.moved(call, self.running.after_instance_norm(
-                call, *self.step.ledger.instance_norm_statistics(index)))
+            self.running.moved(call, self._moved_by(self.step.ledger.instance_norm_of_the_batch(call, self.step.names)))
             return call.output()
         n, self.instance_norms = self.instance_norms, self.instance_norms + 1
         if n == len(self.moved_instance_norms):  # a call not every micro-batch has made yet: a statistics pass's stop
@@ -255,17 +253,16 @@ class _Passes:
             for k in self._each():
                 self.at_instance_norm = False
                 result = self._forward(k)
-                made = [f"BatchNorm call {j} next", f"InstanceNorm call {len(self.moved_instance_norms)} next"]
                 if result is not _STOPPED:  # micro-batch 0 never reached call j: there are j
                     if k:
-                        raise not_the_same(k, "no more calls", made[stops[0]])
+                        raise not_the_same(k, "no more calls", self._next_call(stops[0]))
                     self.user_functions = holds_user_functions(tensor_leaves(result))
                     return
                 stops.append(self.at_instance_norm)
                 if stops[k] != stops[0]:
-                    raise not_the_same(k, made[stops[k]], made[stops[0]])
-            if stops[0]:  # the pass stopped at an InstanceNorm call that tracks running statistics
-                self._fix_instance_norm()
+                    raise not_the_same(k, self._next_call(stops[k]), self._next_call(stops[0]))
+            if stops[0]:  # the pass stopped at an InstanceNorm call that tracks running statistics: its move is known
+                self.moved_instance_norms.append(self._moved_by(len(self.moved_instance_norms)))
                 continue
             call = self.calls[j]
             self.step.meeting.check_count(call.rows, call.first.input.shape)
@@ -275,13 +272,16 @@ class _Passes:
             call.parts = []
             call.sums = GradSums(call.stats.mean.shape[0], call.stats.count)
 
-    def _fix_instance_norm(self) -> None:
-        """Every micro-batch stopped at the next InstanceNorm call, its piece in: the call's move of its running
-        statistics is known, and the later passes make it at the call."""
-        n = len(self.moved_instance_norms)
-        call = self.step.ledger.instance_norms[n].call
-        self.moved_instance_norms.append(
-            self.running.after_instance_norm(call, *self.step.ledger.instance_norm_statistics(n)))
+    def _next_call(self, at_instance_norm: bool) -> str:
+        """The call a statistics pass stopped a micro-batch at, for a refusal."""
+        if at_instance_norm:
+            return f"InstanceNorm call {len(self.moved_instance_norms)} next"
+        return f"BatchNorm call {self.target} next"
+
+    def _moved_by(self, n: int) -> tuple[Tensor, Tensor | None] | None:
+        """The running statistics after the ledger's InstanceNorm call n, every micro-batch's piece of it in."""
+        return self.running.after_instance_norm(self.step.ledger.instance_norms[n].call,
+                                                *self.step.ledger.instance_norm_statistics(n))
 
     def _output_gradients(self) -> None:
         """With a whole-batch loss: every micro-batch's outputs (no graph, every call with its statistics), the loss
