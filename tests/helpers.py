@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import unittest.mock
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -28,6 +29,21 @@ STEP_SCHEDULES = (*EXACT_SCHEDULES, "auto")  # every value of `schedule` a step 
 # The schedule's options the Trainer and every integration pass on to accumnorm.backward: `assert_ran_with` checks
 # that a step ran with them, from what last_schedule says of it
 SCHEDULE_OPTIONS = {"keep_every": dict(schedule="segments", keep_every=2), "memory_budget": dict(memory_budget=1 << 30)}
+
+
+def passes_need(model: nn.Module, batch, loss_fn: Callable | None, micro_batch_size: int, **kwargs) -> int:
+    """What a step of a copy of `model` under "auto"'s last resort, passes, needs: the step's gradients and what its
+    meter counts of one pass (the least any exact schedule keeps: a budget below it is refused). `kwargs`: the
+    step's other arguments (forward_fn and batch_loss_fn)."""
+    from accumnorm._engine.schedules import decide
+
+    trial = copy.deepcopy(model)
+    with unittest.mock.patch.object(decide, "_by_memory", lambda: []), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accumnorm.backward(trial, batch, loss_fn, micro_batch_size=micro_batch_size, memory_budget=2**40, **kwargs)
+    choice = accumnorm.last_schedule(trial)
+    assert choice.schedule == "passes", choice
+    return choice.need
 
 
 def assert_ran_with(model: nn.Module, options: dict) -> None:

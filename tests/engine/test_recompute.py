@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 import warnings
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ from helpers import (
     compare,
     exact_vs_whole_batch,
     live_peak,
+    passes_need,
     quiet_next_step,
     rel_err,
     snapshot,
@@ -313,14 +315,15 @@ def test_the_fallback_warning_points_at_the_line_that_called_the_trainer():
 
 def test_autos_warning_points_at_the_callers_line_and_gives_a_small_budget_in_a_unit_that_shows_it():
     model, batch = net(), data((1, 12, 12), 8, torch.float64)
-    budget = 80_000  # more than the gradients, less than what layerwise or recompute keeps: passes
+    budget = passes_need(model, batch, ce_loss, 2)  # what one micro-batch's pass keeps, less than the others: passes
+    assert 1 << 10 <= budget < 1 << 20
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
     told = [w for w in caught if "accumnorm.backward(schedule='auto')" in str(w.message)]
     assert len(told) == 1 and told[0].filename == __file__, [(w.filename, w.lineno) for w in caught]
     assert accumnorm.last_schedule(model).schedule == "passes"
-    assert "running the passes schedule within the memory budget of 78.1 KiB" in str(told[0].message)
+    assert f"running the passes schedule within the memory budget of {budget / 1024:.0f} KiB" in str(told[0].message)
 
 
 class Flips(Block):
@@ -749,16 +752,16 @@ def test_auto_runs_recompute_where_layerwise_would_pass_the_budget_exactly_and_s
 
 
 def test_auto_runs_passes_where_every_other_schedule_would_pass_the_budget():
-    """A budget with room for the gradients and hardly anything else: every metered schedule, segments at each of
-    its settings, stops at its meter, and passes runs, exactly, saying why."""
+    """A budget with room for the gradients and one micro-batch's pass alone: every metered schedule, segments at
+    each of its settings, stops at its meter, and passes runs, exactly, within it, saying why."""
     model, batch = net(), data((1, 12, 12), 8, torch.float64)
-    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = passes_need(model, batch, ce_loss, 2)
     ref = copy.deepcopy(model)
     expected = whole_batch(ref, batch)
     with pytest.warns(RuntimeWarning, match="running the passes schedule"):
-        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + 1024)
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
     choice = accumnorm.last_schedule(model)
-    assert choice.schedule == "passes"
+    assert choice.schedule == "passes" and choice.need == budget, choice
     for name in ("layerwise", "recompute", "segments(keep_every=1)", "segments(keep_every=2)",
                  "segments(keep_every=4)"):
         assert f"{name} would keep more than" in choice.reason, (name, choice.reason)
@@ -797,7 +800,8 @@ def test_a_figure_its_meter_stopped_is_a_floor_and_a_larger_budget_meters_the_sc
     whole_batch(ref, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the first step leaves layerwise: a warning, once
-        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + layerwise // 4)
+        budget = passes_need(model, batch, ce_loss, 2)
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
     assert "layerwise would keep more than" in accumnorm.last_schedule(model).reason
     loss, expected = quiet_next_step(model, ref, batch, micro_batch_size=2,
                                      memory_budget=grads + (layerwise + recompute) // 2)
@@ -892,6 +896,49 @@ def test_a_budget_below_the_gradients_says_no_micro_batch_size_helps():
                                          rf"{grads}, and one micro-batch's saved tensors\); give a larger budget, or a "
                                          "smaller micro_batch_size"):
         accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=grads + 1)
+
+
+def test_a_budget_below_what_passes_keeps_is_refused_at_the_first_step_as_at_every_later_one():
+    """"auto" meters its last resort too: at a model's first step, with no figure yet, a budget above the gradients but
+    below what one micro-batch's pass keeps is refused, naming both, with nothing changed (passes ran over it). The
+    next step's check refuses it before anything runs, by the figure the meter left, as it does after a layerwise
+    step; a budget of what passes needs runs it within that."""
+    model, batch = net(), data((1, 12, 12), 8, torch.float64)
+    grads, need = sum(p.numel() * p.element_size() for p in model.parameters()), passes_need(model, batch, ce_loss, 2)
+    budget = (grads + need) // 2
+    for _ in range(2):
+        snap, state = snapshot(model), torch.random.get_rng_state()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing ran that "auto" would tell of
+            with pytest.raises(ValueError) as error:
+                accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=budget)
+        message = str(error.value)
+        assert f"memory_budget is {budget} bytes, but even the passes schedule" in message, message
+        figure = int(re.search(r"needs (?:more than|at least) (\d+) bytes", message).group(1))
+        assert budget < figure <= need, (budget, figure, need)
+        assert_unchanged(model, snap)
+        assert torch.equal(torch.random.get_rng_state(), state)
+        assert accumnorm.last_schedule(model) is None
+    ref = copy.deepcopy(model)
+    expected = whole_batch(ref, batch)
+    with pytest.warns(RuntimeWarning, match="running the passes schedule"):
+        loss = accumnorm.backward(model, batch, ce_loss, micro_batch_size=2, memory_budget=need)
+    assert accumnorm.last_schedule(model).need == need
+    assert rel_err(loss, expected) < 1e-12
+    compare(ref, model, 1e-9)
+
+
+def test_passes_figure_counts_a_whole_batch_losss_outputs_and_their_gradients_held_through_its_passes():
+    """With a whole-batch loss, passes holds every micro-batch's outputs and their gradients from the loss's pass to
+    the step's end: its meter counts them beside what the full pass of one micro-batch keeps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 256)).double()
+    x = torch.randn(32, 4, dtype=torch.float64)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    held = 2 * 32 * 256 * 8  # the outputs of the whole batch, and their gradients
+    need = passes_need(model, x, None, 4, forward_fn=lambda m, b: m(b),
+                       batch_loss_fn=lambda out, b: out.square().mean())
+    assert grads + held < need < grads + held + 32 * 256 * 8, (need, grads, held)
 
 
 def test_auto_tries_a_schedule_that_cannot_run_a_model_exactly_at_one_setting_only():

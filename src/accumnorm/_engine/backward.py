@@ -99,18 +99,19 @@ def backward(
             sums, loss and gradients are reduced over the group (do not wrap the model in DDP as well; a
             DDP-wrapped model is unwrapped and its group used). Not with `batch_loss_fn`. Default: None.
         grad_scaler: a `torch.amp.GradScaler`: the loss is scaled by it before backward. Default: None.
-        memory_budget: the bytes "auto" lets a step keep for its backward: the tensors its forward keeps
-            (autograd's saved tensors, the regions' arguments), at a met BatchNorm call the whole batch's input
-            and output there, what its backward's recomputation holds, and the gradients the step makes;
-            gradients that exist before the step (``zero_grad(set_to_none=False)``) are not part of it. A
-            positive int. The process's peak rises above it by the working memory of the forward and the
-            backward and what the allocator keeps of what it freed; on the CPU, the step hands the heap's free
-            pages back once it has added four fifths of it (docs/schedules.md). A process's first step also
-            makes what the process keeps for its life (torch's code paged in, kernels for the model's shapes),
-            past the budget: leave room for it. A schedule asked for by name keeps what it keeps, whatever the
-            budget (which must still hold the gradients): there the budget only says when the heap's pages go back.
-            Default: None, a tenth less than the free memory of the model's device (on the CPU, the available
-            memory the kernel reports).
+        memory_budget: the bytes "auto" lets a step keep for its backward: the tensors its forward keeps (autograd's
+            saved tensors, the regions' arguments), at a met BatchNorm call the whole batch's input and output there,
+            what its backward's recomputation holds, and the gradients the step makes; gradients that exist before the
+            step (``zero_grad(set_to_none=False)``) are not part of it. A positive int. A budget below what even passes
+            keeps (the gradients and one micro-batch's pass) is refused with a ValueError naming both, nothing changed:
+            at a model's first step once passes' meter counts past it, at later steps before anything runs. The
+            process's peak rises above it by the working memory of the forward and the backward and what the allocator
+            keeps of what it freed; on the CPU, the step hands the heap's free pages back once it has added four fifths
+            of it (docs/schedules.md). A process's first step also makes what the process keeps for its life (torch's
+            code paged in, kernels for the model's shapes), past the budget: leave room for it. A schedule asked for by
+            name keeps what it keeps, whatever the budget (which must still hold the gradients): there the budget only
+            says when the heap's pages go back. Default: None, a tenth less than the free memory of the model's device
+            (on the CPU, the available memory the kernel reports).
         keep_every: the segments schedule's setting (with schedule="segments" only). Where regions form a chain,
             each one's output the next one's argument, the arguments of one region in `keep_every` are kept; the
             others are recomputed in the backward from the last kept ones, a region forward more for each region

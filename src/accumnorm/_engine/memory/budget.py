@@ -1,25 +1,26 @@
 """How much memory a step may take, what each exact schedule needs, and which one "auto" runs: `memory_budget=`.
 
-On a GPU, running out of memory is an exception the step can recover from; on a CPU, it is the kernel
-killing the process. So "auto" chooses before the memory is used, from measured figures: a step's need is
-the bytes of tensors its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage
-counted once, parameters and views of them not at all), per sample, as this model's last step with micro-batches
-of this size and shape measured them, times the step's samples (never fewer than it measured: a need has parts of
-one micro-batch's size, which do not shrink with the batch), plus the gradients it makes. A lockstep also holds,
-at each met BatchNorm call, every micro-batch's piece of the call's input and output at once, which its forwards
-need not keep: the meter counts them for that moment (`Meter.beside`), and a figure is the most it counted at once.
-Layerwise runs when its need fits the budget, recompute when its does, then segments at each of its settings,
-passes otherwise. A step with no figure yet runs metered: the meter stops it (`OverBudget`) as soon as what it
-keeps would pass the budget, before it does, and the step starts over in the next schedule. The figure of a
-stopped step is only a floor (`stopped_figures`): a later step whose budget it fits runs that schedule metered.
-Recompute's figure is what its forward keeps (the regions' inputs, what runs outside them, the kept convolution
-outputs) and, reserved before its backward starts, the recomputation of its largest region for every micro-batch at
-once, which that backward holds. Its regions and kept outputs are chosen from the last step's measurements, so that
-each of its steps runs metered. Segments' figure counts the regions' arguments it keeps (`Meter.count`) and,
-reserved before its backward, one micro-batch's recomputation of a region, the arguments it recomputes and the
-whole batch's gradients at the region's exit and entrance (`Meter.reserve_bytes`). Both also count the Python
-objects of the record they keep for every region call of every micro-batch (`Meter.count_objects`,
-`memory.objects`): on a deep net of small tensors, more than the tensors.
+On a GPU, running out of memory is an exception the step can recover from; on a CPU, it is the kernel killing the
+process. So "auto" chooses before the memory is used, from measured figures: a step's need is the bytes of tensors
+its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage counted once, parameters and
+views of them not at all), per sample, as this model's last step with micro-batches of this size and shape measured
+them, times the step's samples (never fewer than it measured: a need has parts of one micro-batch's size, which do
+not shrink with the batch), plus the gradients it makes. A lockstep also holds, at each met BatchNorm call, every
+micro-batch's piece of the call's input and output at once, which its forwards need not keep: the meter counts them
+for that moment (`Meter.beside`), and a figure is the most it counted at once. Layerwise runs when its need fits
+the budget, recompute when its does, then segments at each of its settings, passes otherwise: its meter counts what
+one micro-batch's full pass keeps (`Meter.next_pass`), and a budget below that, with nothing else to try, is
+refused. A step with no figure yet runs metered: the meter stops it (`OverBudget`) as soon as what it keeps would
+pass the budget, before it does, and the step starts over in the next schedule. The figure of a stopped step is
+only a floor (`stopped_figures`): a later step whose budget it fits runs that schedule metered. Recompute's figure
+is what its forward keeps (the regions' inputs, what runs outside them, the kept convolution outputs) and, reserved
+before its backward starts, the recomputation of its largest region for every micro-batch at once, which that
+backward holds. Its regions and kept outputs are chosen from the last step's measurements, so that each of its
+steps runs metered. Segments' figure counts the regions' arguments it keeps (`Meter.count`) and, reserved before
+its backward, one micro-batch's recomputation of a region, the arguments it recomputes and the whole batch's
+gradients at the region's exit and entrance (`Meter.reserve_bytes`). Both also count the Python objects of the
+record they keep for every region call of every micro-batch (`Meter.count_objects`, `memory.objects`): on a deep
+net of small tensors, more than the tensors.
 
 The budget, by default: on CUDA the device's free memory, on the CPU the available memory (the kernel's
 MemAvailable), each less a tenth; `memory_budget` sets it in bytes.
@@ -102,16 +103,20 @@ def format_bytes(n: float) -> str:
 
 def check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, size: int) -> None:
     """Refuse, before anything runs, a budget below what even the passes schedule needs: the step's gradients, and
-    one micro-batch's saved tensors where an earlier step measured them (layerwise's figure per sample: the other
-    schedules' count records that passes does not keep)."""
-    figure = figures(model).get((signature(micro_batch), "layerwise"))
-    grads = gradient_bytes(model)
+    one micro-batch's saved tensors where an earlier step measured them: what passes' meter counted of one pass
+    (at least that, where it stopped the step), else layerwise's figure per sample (the other schedules' count
+    records that passes does not keep)."""
+    key, grads = signature(micro_batch), gradient_bytes(model)
     if budget < grads:
         raise ValueError(f"memory_budget is {budget} bytes, but the step's gradients alone take {grads} bytes, which "
                          "no schedule and no micro_batch_size can lower: give a larger budget")
-    need = grads + (0 if figure is None else int(figure.per_sample * size))
+    own, figure = figures(model).get((key, "passes")), figures(model).get((key, "layerwise"))
+    if own is not None:  # one pass's, which does not grow with the number of micro-batches
+        need, about = grads + own.measured, "at least" if (key, "passes") in stopped_figures(model) else "about"
+    else:
+        need, about = grads + (0 if figure is None else int(figure.per_sample * size)), "about"
     if budget < need:
-        raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs about {need} bytes "
+        raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs {about} {need} bytes "
                          f"(the step's gradients, {grads}, and one micro-batch's saved tensors); give a larger "
                          "budget, or a smaller micro_batch_size")
 
@@ -164,6 +169,11 @@ class Figure:
         one micro-batch's size stay as they were, so this is more), and as measured below them (a need never grows
         with fewer micro-batches)."""
         return int(self.per_sample * max(samples, self.samples))
+
+    @property
+    def measured(self) -> int:
+        """The bytes the metered step kept."""
+        return int(self.per_sample * self.samples)
 
 
 def _storage(t: Tensor) -> tuple[Any, int]:
@@ -232,6 +242,24 @@ class Meter:
         self.bytes = 0
         self.peak = 0  # the most counted at one moment: what is kept, and what that moment held beside it (`beside`)
         self._seen: set[int] = set()
+        self._held: tuple[int, set[int]] = (0, set())  # what passes holds across its passes: bytes, storages
+
+    def next_pass(self) -> None:
+        """The passes schedule's next pass of one micro-batch: what the last one kept went with its backward (or its
+        stop), what every pass holds stays (`hold`); the figure is the most one pass kept."""
+        self.peak = max(self.peak, self.bytes)
+        self.bytes, self._seen = self._held[0], set(self._held[1])
+
+    def hold(self, tensors: list[Tensor]) -> None:
+        """Count `tensors` as held by every pass from now on (passes' outputs of every micro-batch, for a whole-batch
+        loss); raise `OverBudget` past the budget."""
+        self.next_pass()
+        for key, nbytes in dict(map(_storage, tensors)).items():
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += nbytes
+        self._held = (self.bytes, set(self._seen))
+        self._check()
 
     @property
     def need(self) -> int:

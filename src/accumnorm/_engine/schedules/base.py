@@ -29,8 +29,9 @@ class Schedule(ABC):
     exact: ClassVar[bool] = True
     #: whether "auto" may choose it at all.
     automatic: ClassVar[bool] = True
-    #: whether it keeps its saved tensors through `store`, so that "auto" can meter it and stop it at its budget;
-    #: a schedule that cannot be metered is "auto"'s last resort.
+    #: whether it keeps its saved tensors through `store`, so that "auto" can meter it and stop it at its budget
+    #: and start the step over in the next; the one that is not is "auto"'s last resort, with no next (metered
+    #: too, where it can refuse a budget below even its need).
     metered: ClassVar[bool] = True
     #: whether what it keeps depends on the last step's measurements, so that "auto" meters it at every step.
     remeasured: ClassVar[bool] = False

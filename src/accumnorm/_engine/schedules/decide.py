@@ -1,16 +1,16 @@
 """Which schedule runs a step: the one asked for, "auto"'s choice by memory, and every fallback. The one place.
 
-`bn="micro"` runs plain accumulation. An exact schedule asked for runs as asked; recompute falls back to
-layerwise, with a warning, where a region's forward changed its state (`RegionStateChanged`, handled in
-`_attempt` alone). Under "auto", a whole-batch loss over a model without batch statistics runs one micro-batch
-at a time (GradCache's scheme, exact there); otherwise the schedules of the table (`registry`) are judged in
-order by this model's figure for batches of this shape, when an earlier step measured one, before they run;
-without a figure one runs metered, and stops once what it keeps would pass the budget (`memory.budget`). On
-CUDA, an out-of-memory error sends the step to the next schedule as well, and interleaved forwards that each moved
-a number on a module (`StateChanged`) send it to passes, which gives each run the attributes anew; the table's
-unmetered schedule (passes) is the last resort. Under a process group every rank runs the same schedule (its met
-calls are collectives): the ranks agree on one before the step, from the figures of earlier steps, and it runs to
-the end, measuring for the next step.
+`bn="micro"` runs plain accumulation. An exact schedule asked for runs as asked; recompute falls back to layerwise,
+with a warning, where a region's forward changed its state (`RegionStateChanged`, handled in `_attempt` alone).
+Under "auto", a whole-batch loss over a model without batch statistics runs one micro-batch at a time (GradCache's
+scheme, exact there); otherwise the schedules of the table (`registry`) are judged in order by this model's figure
+for batches of this shape, when an earlier step measured one, before they run; without a figure one runs metered,
+and stops once what it keeps would pass the budget (`memory.budget`). On CUDA, an out-of-memory error sends the
+step to the next schedule as well, and interleaved forwards that each moved a number on a module (`StateChanged`)
+send it to passes, which gives each run the attributes anew; the table's unmetered schedule (passes) is the last
+resort, whose meter can only refuse the step (a budget below even its need). Under a process group every rank runs
+the same schedule (its met calls are collectives): the ranks agree on one before the step, from the figures of
+earlier steps, and it runs to the end, measuring for the next step.
 
 Each schedule tried gets a fresh `Step` from `new_step()`; one that cannot run the step exactly is undone by
 `start_over` before the next begins, so the step that returns is the one that ran from the start. What ran and
@@ -192,7 +192,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
             refused.add(schedule.name)
         start_over(step)
         step = new_step()
-    return _run_last_resort(step, reasons, budget)
+    return _run_last_resort(step, reasons, budget, samples)
 
 
 def _known_need(known: dict, key: Any, name: str, grads: int, samples: int, budget: int | None,
@@ -207,18 +207,34 @@ def _known_need(known: dict, key: Any, name: str, grads: int, samples: int, budg
     return need
 
 
-def _run_last_resort(step: Step, reasons: list[str], budget: int | None) -> Step:
-    """The step under the last resort, saying why."""
-    schedule = _last_resort()
+def _run_last_resort(step: Step, reasons: list[str], budget: int | None, samples: int, stop: bool = True) -> Step:
+    """The step under the last resort, saying why. Its meter measures what its full pass keeps, for the next
+    steps' check of the budget (`check_budget_fits_passes`), and refuses the step where even that passes `budget`
+    (`stop`: not under a process group, whose ranks stop together or not at all)."""
+    schedule, model = _last_resort(), step.model
     refuse_unseen_batch_norms(step.modules, schedule.name)
-    why = _cannot_run(schedule, step.model)
+    why = _cannot_run(schedule, model)
     if why is not None:
         raise ValueError(f"bn='exact': no schedule can run this step exactly within the memory budget of "
                          f"{format_bytes(budget)}: {'; '.join([*reasons, why])}. Nothing was changed. Give it a "
                          "larger memory_budget, or take the hook off")
-    record_choice(step.model, Choice(schedule.name, "; ".join(reasons), None, budget))
-    _tell(step.model, schedule.name, reasons, budget)
-    schedule.run(step, None)
+    key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
+    meter = Meter(None if budget is None or not stop else budget - grads, None, samples)
+    known = (key, schedule.label)
+    try:
+        schedule.run(step, meter)
+    except OverBudget:
+        figures(model)[known] = Figure(meter.need / samples, samples)
+        stopped_figures(model).add(known)
+        raise ValueError(
+            f"memory_budget is {budget} bytes, but even the passes schedule, which keeps least, needs more than "
+            f"{grads + meter.need} bytes: the step's gradients, {grads}, and what one micro-batch's pass keeps, "
+            f"as far as its meter counted before it stopped the step ({'; '.join(reasons)}). Nothing was changed. "
+            "Give a larger budget, or a smaller micro_batch_size") from None
+    figures(model)[known] = Figure(meter.need / samples, samples)
+    stopped_figures(model).discard(known)
+    record_choice(model, Choice(schedule.name, "; ".join(reasons), grads + meter.need, budget))
+    _tell(model, schedule.name, reasons, budget)
     return step
 
 
@@ -248,7 +264,7 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
     if agreed is not schedule:
         reasons.append(f"another rank of the process group needs {agreed.label}")
     if agreed is order[-1]:
-        return _run_last_resort(step, reasons, budget)
+        return _run_last_resort(step, reasons, budget, samples, stop=False)
     meter = Meter(None, store, samples)  # measures, never stops
     why = _attempt(agreed, step, meter)
     if why is not None:  # found by every rank alike, before any backward

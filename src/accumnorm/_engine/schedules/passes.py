@@ -30,6 +30,7 @@ refused.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -86,8 +87,8 @@ class _PassCall:
 class _Passes:
     STATS, SUMS, FULL, CORRECT = "stats", "sums", "full", "correct"
 
-    def __init__(self, step: Step) -> None:
-        self.step = step
+    def __init__(self, step: Step, meter: Meter | None = None) -> None:
+        self.step, self.meter = step, meter  # "auto"'s, which counts what one full pass keeps (`Meter.next_pass`)
         self.calls: list[_PassCall] = []
         self.mode, self.target = self.STATS, 0
         self.k = 0  # the micro-batch being run
@@ -214,6 +215,8 @@ class _Passes:
         attributes as the step found them."""
         for k in range(len(self.step.micro_batches)):
             self.k, self.index, self.instance_norms = k, 0, 0
+            if self.meter is not None:
+                self.meter.next_pass()
             self.running.restore()
             self.step.attributes.restore()
             self.step.rng.begin(k, restart=True)
@@ -289,6 +292,8 @@ class _Passes:
         self.mode, self.target = self.STATS, len(self.calls)  # no call is the target: every forward completes
         self.grads = OutputGrads([without_graph(self._forward(k)) for k in self._each()], self.step.backward)
         self.step.losses.whole = self.step.whole_loss(lambda: self.grads.loss(self.step.objective.loss)).detach()
+        if self.meter is not None:  # every pass after this one holds the outputs and their gradients
+            self.meter.hold([t for leaf in self.grads.leaves for t in (leaf, leaf.grad) if t is not None])
 
     def _backward_from(self, k: int, result: Any, inputs: list[Tensor] | None = None) -> None:
         """Micro-batch k's backward from its loss (weighted) or its outputs (with their gradients)."""
@@ -314,12 +319,14 @@ class _Passes:
 
     def _full_pass(self, t: int) -> None:
         self.mode, self.target = self.FULL, t
-        for k in self._each():
-            result = self._forward(k)
-            if not self.step.objective.whole:
-                self.step.losses.micro[k] = result.detach()
-            self.step.graphs.check([(k, result)])  # a batch norm the passes did not make
-            self._backward_from(k, result)
+        # Of every pass, the full one's forward keeps most (the others run part of it): the meter counts it alone.
+        with self.meter.hooks() if self.meter is not None else nullcontext():
+            for k in self._each():
+                result = self._forward(k)
+                if not self.step.objective.whole:
+                    self.step.losses.micro[k] = result.detach()
+                self.step.graphs.check([(k, result)])  # a batch norm the passes did not make
+                self._backward_from(k, result)
 
     def _correction_pass(self, j: int) -> None:
         self.mode, self.target = self.CORRECT, j
@@ -340,7 +347,8 @@ class _Passes:
 
 class Passes(Schedule):
     """Exact BatchNorm by the 2L + 1 passes of the module doc, in the memory of one micro-batch. It keeps nothing
-    beyond one micro-batch's forward, so "auto" runs it as its last resort, unmetered (`store` is not used)."""
+    beyond one micro-batch's forward, so "auto" runs it as its last resort; a `Meter` (`store`, else unused) counts
+    what each micro-batch's full pass keeps, and stops the step where even that passes the budget."""
 
     name = "passes"
     metered = False
@@ -349,7 +357,7 @@ class Passes(Schedule):
     def run(self, step: Step, store: Store | Meter | None) -> None:
         try:
             step.bound.start()
-            _Passes(step).run()
+            _Passes(step, store if isinstance(store, Meter) else None).run()
         finally:
             step.bound.close()
             step.graphs.clear()
