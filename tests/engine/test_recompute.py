@@ -20,6 +20,7 @@ from accumnorm._engine.bn.pieces import normalize_pieces
 from accumnorm._engine.checkpointing import kept, recomputation
 from accumnorm._engine.checkpointing import regions as regions_module
 from accumnorm._engine.checkpointing.regions import Run, choose_regions
+from accumnorm._engine.schedules import decide
 from helpers import (
     SavedBytes,
     assert_unchanged,
@@ -939,6 +940,25 @@ def test_passes_figure_counts_a_whole_batch_losss_outputs_and_their_gradients_he
     need = passes_need(model, x, None, 4, forward_fn=lambda m, b: m(b),
                        batch_loss_fn=lambda out, b: out.square().mean())
     assert grads + held < need < grads + held + 32 * 256 * 8, (need, grads, held)
+
+
+@pytest.mark.parametrize("last_resort", [False, True], ids=["layerwise", "passes"])
+def test_a_figure_leaves_out_the_batch_which_was_there_before_the_step(last_resort, monkeypatch):
+    """Each micro-batch is a view of the batch, and the first layer saves it: the meter counted the whole batch's
+    storage in a schedule's figure (in passes', whose pass holds one micro-batch, K times that micro-batch), memory
+    the step does not add. The budget is what it adds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    batch = (torch.randn(64, 512, dtype=torch.float64), torch.randint(0, 2, (64,)))
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    if last_resort:
+        monkeypatch.setattr(decide, "_by_memory", lambda: [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        accumnorm.backward(model, batch, ce_loss, micro_batch_size=8, memory_budget=2**40)
+    choice = accumnorm.last_schedule(model)
+    assert choice.schedule == ("passes" if last_resort else "layerwise"), choice
+    assert 0 < choice.need - grads < batch[0].nbytes // 8, (choice.need, grads, batch[0].nbytes)
 
 
 def test_auto_tries_a_schedule_that_cannot_run_a_model_exactly_at_one_setting_only():

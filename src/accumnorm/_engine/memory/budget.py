@@ -2,25 +2,25 @@
 
 On a GPU, running out of memory is an exception the step can recover from; on a CPU, it is the kernel killing the
 process. So "auto" chooses before the memory is used, from measured figures: a step's need is the bytes of tensors
-its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage counted once, parameters and
-views of them not at all), per sample, as this model's last step with micro-batches of this size and shape measured
-them, times the step's samples (never fewer than it measured: a need has parts of one micro-batch's size, which do
-not shrink with the batch), plus the gradients it makes. A lockstep also holds, at each met BatchNorm call, every
-micro-batch's piece of the call's input and output at once, which its forwards need not keep: the meter counts them
-for that moment (`Meter.beside`), and a figure is the most it counted at once. Layerwise runs when its need fits
-the budget, recompute when its does, then segments at each of its settings, passes otherwise: its meter counts what
-one micro-batch's full pass keeps (`Meter.next_pass`), and a budget below that, with nothing else to try, is
-refused. A step with no figure yet runs metered: the meter stops it (`OverBudget`) as soon as what it keeps would
-pass the budget, before it does, and the step starts over in the next schedule. The figure of a stopped step is
-only a floor (`stopped_figures`): a later step whose budget it fits runs that schedule metered. Recompute's figure
-is what its forward keeps (the regions' inputs, what runs outside them, the kept convolution outputs) and, reserved
-before its backward starts, the recomputation of its largest region for every micro-batch at once, which that
-backward holds. Its regions and kept outputs are chosen from the last step's measurements, so that each of its
-steps runs metered. Segments' figure counts the regions' arguments it keeps (`Meter.count`) and, reserved before
-its backward, one micro-batch's recomputation of a region, the arguments it recomputes and the whole batch's
-gradients at the region's exit and entrance (`Meter.reserve_bytes`). Both also count the Python objects of the
-record they keep for every region call of every micro-batch (`Meter.count_objects`, `memory.objects`): on a deep
-net of small tensors, more than the tensors.
+its forward keeps for the backward (a `Meter` of autograd's saved tensors, one storage counted once, parameters,
+views of them and the batch's storage not at all), per sample, as this model's last step with micro-batches of this
+size and shape measured them, times the step's samples (never fewer than it measured: a need has parts of one
+micro-batch's size, which do not shrink with the batch), plus the gradients it makes. A lockstep also holds, at
+each met BatchNorm call, every micro-batch's piece of the call's input and output at once, which its forwards need
+not keep: the meter counts them for that moment (`Meter.beside`), and a figure is the most it counted at once.
+Layerwise runs when its need fits the budget, recompute when its does, then segments at each of its settings,
+passes otherwise: its meter counts what one micro-batch's full pass keeps (`Meter.next_pass`), and a budget below
+that, with nothing else to try, is refused. A step with no figure yet runs metered: the meter stops it
+(`OverBudget`) as soon as what it keeps would pass the budget, before it does, and the step starts over in the next
+schedule. The figure of a stopped step is only a floor (`stopped_figures`): a later step whose budget it fits runs
+that schedule metered. Recompute's figure is what its forward keeps (the regions' inputs, what runs outside them,
+the kept convolution outputs) and, reserved before its backward starts, the recomputation of its largest region for
+every micro-batch at once, which that backward holds. Its regions and kept outputs are chosen from the last step's
+measurements, so that each of its steps runs metered. Segments' figure counts the regions' arguments it keeps
+(`Meter.count`) and, reserved before its backward, one micro-batch's recomputation of a region, the arguments it
+recomputes and the whole batch's gradients at the region's exit and entrance (`Meter.reserve_bytes`). Both also
+count the Python objects of the record they keep for every region call of every micro-batch (`Meter.count_objects`,
+`memory.objects`): on a deep net of small tensors, more than the tensors.
 
 The budget, by default: on CUDA the device's free memory, on the CPU the available memory (the kernel's
 MemAvailable), each less a tenth; `memory_budget` sets it in bytes.
@@ -235,14 +235,16 @@ def last_schedule(model: nn.Module) -> Choice | None:
 class Meter:
     """Saved-tensor hooks that count the bytes autograd keeps (a storage once, parameters not at all) and raise
     `OverBudget` once they pass `limit`; they pass each tensor on to `store`'s hooks, if any. `reserve` counts what
-    the step will hold beside them in its backward, for each of its `samples`."""
+    the step will hold beside them in its backward, for each of its `samples`. The storages of `existing` (the
+    step's batch, of which each micro-batch is a view) were there before the step: the budget is what it adds, so
+    they are never counted."""
 
-    def __init__(self, limit: float | None, store: Store | None, samples: int) -> None:
+    def __init__(self, limit: float | None, store: Store | None, samples: int, existing: list[Tensor] = ()) -> None:
         self.limit, self.store, self.samples = limit, store, samples
         self.bytes = 0
         self.peak = 0  # the most counted at one moment: what is kept, and what that moment held beside it (`beside`)
-        self._seen: set[int] = set()
-        self._held: tuple[int, set[int]] = (0, set())  # what passes holds across its passes: bytes, storages
+        self._seen: set[int] = {_storage(t)[0] for t in existing}
+        self._held: tuple[int, set[int]] = (0, set(self._seen))  # what passes holds across its passes: bytes, storages
 
     def next_pass(self) -> None:
         """The passes schedule's next pass of one micro-batch: what the last one kept went with its backward (or its

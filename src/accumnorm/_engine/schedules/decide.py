@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from ..._warn import warn_at_caller
 from ..checkpointing.checkpointed import RegionStateChanged
@@ -166,7 +167,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
             continue
         # A figure a meter stopped is only a floor: where it fits, the schedule runs metered again.
         metered = need is None or schedule.remeasured or (key, name) in stopped
-        meter = Meter(None if budget is None else budget - grads, store, samples) if metered else None
+        meter = Meter(None if budget is None else budget - grads, store, samples, _batch(step)) if metered else None
         try:
             with step.bound.waived(None if metered else need):  # far below the budget: no resident checks
                 why = _attempt(schedule, step, meter or store)
@@ -195,6 +196,11 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
     return _run_last_resort(step, reasons, budget, samples)
 
 
+def _batch(step: Step) -> list[Tensor]:
+    """The step's micro-batches' tensors: views of the batch, whose memory the step does not add (`Meter`)."""
+    return [t for t in tree_leaves(step.micro_batches) if isinstance(t, Tensor)]
+
+
 def _known_need(known: dict, key: Any, name: str, grads: int, samples: int, budget: int | None,
                 reasons: list[str], floor: bool = False) -> int | None:
     """What `name` would keep, by this model's figure from an earlier step (None: no figure; `floor`: one a meter
@@ -219,7 +225,7 @@ def _run_last_resort(step: Step, reasons: list[str], budget: int | None, samples
                          f"{format_bytes(budget)}: {'; '.join([*reasons, why])}. Nothing was changed. Give it a "
                          "larger memory_budget, or take the hook off")
     key, grads = signature(step.micro_batches[0]), gradient_bytes(model)
-    meter = Meter(None if budget is None or not stop else budget - grads, None, samples)
+    meter = Meter(None if budget is None or not stop else budget - grads, None, samples, _batch(step))
     known = (key, schedule.label)
     try:
         schedule.run(step, meter)
@@ -265,11 +271,12 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
         reasons.append(f"another rank of the process group needs {agreed.label}")
     if agreed is order[-1]:
         return _run_last_resort(step, reasons, budget, samples, stop=False)
-    meter = Meter(None, store, samples)  # measures, never stops
+    meter = Meter(None, store, samples, _batch(step))  # measures, never stops
     why = _attempt(agreed, step, meter)
     if why is not None:  # found by every rank alike, before any backward
         start_over(step)
-        step, agreed, meter = new_step(), SCHEDULES["layerwise"], Meter(None, store, samples)
+        step = new_step()
+        agreed, meter = SCHEDULES["layerwise"], Meter(None, store, samples, _batch(step))
         reasons.append(why)
         agreed.run(step, meter)
     known[(key, agreed.label)] = Figure(meter.need / samples, samples)
