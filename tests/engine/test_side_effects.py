@@ -246,6 +246,38 @@ def test_passes_refuses_micro_batches_that_part_at_an_instance_norm_call(last):
     assert_unchanged(model, snap)
 
 
+class SetsAFlag(nn.Module):
+    """Sets a plain attribute in its forward, as a model may note its mode or a cache's state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3))
+        self.state = "fresh"
+
+    def forward(self, x):
+        self.state = "called"
+        return self.body(x)
+
+
+def test_a_failed_step_puts_back_the_attributes_its_forwards_set(schedule_any):
+    """A step that fails (an error in micro-batch 2's loss) undoes everything: the gradients, the running statistics,
+    and the attributes its forwards set, which stayed as the last forward left them."""
+    model = SetsAFlag().double()
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 3, (8,))
+    snap, losses = snapshot(model), []
+
+    def loss_fn(m, b):
+        losses.append(F.cross_entropy(m(b[0]), b[1]))
+        if len(losses) == 3:
+            raise ValueError("a bad micro-batch")
+        return losses[-1]
+
+    with pytest.raises(ValueError, match="a bad micro-batch"):
+        accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule=schedule_any)
+    assert model.state == "fresh"
+    assert_unchanged(model, snap)
+
+
 class SavesRunningVariance(nn.Module):
     """Multiplies by its InstanceNorm layer's running variance (autograd saves it for the backward), then calls the
     layer again, which moves it in place: whole-batch torch refuses the backward."""

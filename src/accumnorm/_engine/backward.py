@@ -187,7 +187,8 @@ def _backward(model: nn.Module, batch: Batch, loss_fn: LossFn | None, *, micro_b
     micro_batches, sizes = split(batch, micro_batch_size)
     device = model_device(model)
     if memory_budget is not None:
-        check_budget_fits_passes(model, memory_budget, micro_batches[0], sizes[0])
+        check_budget_fits_passes(model, memory_budget, micro_batches[0], sum(sizes),
+                                 measured=schedule == "auto" and bn == "exact" and process_group is None)
     collectives = Collectives(process_group)
     if batch_loss_fn is not None:
         objective = BatchLoss(forward_fn, batch_loss_fn, targets, grad_scaler, sizes)

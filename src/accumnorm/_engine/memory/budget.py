@@ -101,23 +101,26 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} {unit}" if n < 100 else f"{n:.0f} {unit}"
 
 
-def check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, size: int) -> None:
-    """Refuse, before anything runs, a budget below what even the passes schedule needs: the step's gradients, and
-    one micro-batch's saved tensors where an earlier step measured them: what passes' meter counted of one pass
-    (at least that, where it stopped the step), else layerwise's figure per sample (the other schedules' count
-    records that passes does not keep)."""
-    key, grads = signature(micro_batch), gradient_bytes(model)
+def check_budget_fits_passes(model: nn.Module, budget: int, micro_batch: Any, samples: int,
+                             measured: bool = True) -> None:
+    """Refuse, before anything runs, a budget below the step's gradients, which no schedule can lower; and with
+    `measured` (an "auto" step of its own, not under a process group, whose ranks must refuse alike), one below what
+    passes' meter counted of an earlier step of this shape and size: what passes keeps (at least that, where the
+    meter stopped it). Without such a figure the step runs, and passes' meter refuses it if even passes would pass
+    the budget."""
+    grads = gradient_bytes(model)
     if budget < grads:
         raise ValueError(f"memory_budget is {budget} bytes, but the step's gradients alone take {grads} bytes, which "
                          "no schedule and no micro_batch_size can lower: give a larger budget")
-    own, figure = figures(model).get((key, "passes")), figures(model).get((key, "layerwise"))
-    if own is not None:  # one pass's, which does not grow with the number of micro-batches
-        need, about = grads + own.measured, "at least" if (key, "passes") in stopped_figures(model) else "about"
-    else:
-        need, about = grads + (0 if figure is None else int(figure.per_sample * size)), "about"
-    if budget < need:
-        raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule needs {about} {need} bytes "
-                         f"(the step's gradients, {grads}, and one micro-batch's saved tensors); give a larger "
+    key = (signature(micro_batch), "passes")
+    own = figures(model).get(key) if measured else None
+    if own is None or own.samples != samples:  # with a whole-batch loss, passes holds every micro-batch's outputs
+        return
+    if budget < grads + own.kept:
+        about = "at least" if key in stopped_figures(model) else "about"
+        raise ValueError(f"memory_budget is {budget} bytes, but even the passes schedule, which keeps least, needs "
+                         f"{about} {grads + own.kept} bytes (the step's gradients, {grads}, and {about} {own.kept} "
+                         "that its pass of one micro-batch keeps, measured at an earlier step); give a larger "
                          "budget, or a smaller micro_batch_size")
 
 
@@ -159,21 +162,16 @@ def signature(micro_batch: Any) -> tuple:
 
 @dataclass(frozen=True)
 class Figure:
-    """What a schedule kept at a metered step, in bytes per sample of the step's `samples`."""
+    """What a schedule kept at a metered step of `samples` samples: `kept` bytes."""
 
-    per_sample: float
+    kept: int
     samples: int
 
     def need(self, samples: int) -> int:
         """The bytes a step of `samples` would keep, at most: in proportion above the samples measured (the parts of
         one micro-batch's size stay as they were, so this is more), and as measured below them (a need never grows
         with fewer micro-batches)."""
-        return int(self.per_sample * max(samples, self.samples))
-
-    @property
-    def measured(self) -> int:
-        """The bytes the metered step kept."""
-        return int(self.per_sample * self.samples)
+        return self.kept if samples <= self.samples else -(-self.kept * samples // self.samples)
 
 
 def _storage(t: Tensor) -> tuple[Any, int]:

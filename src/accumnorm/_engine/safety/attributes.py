@@ -2,11 +2,11 @@
 
 A forward or loss_fn may set a module's attribute (a temperature, a flag, `model.eval()` at its end) that a later
 run of the same forward reads. Whole-batch torch runs the forward once, from the state the step began in. A
-schedule that runs it again (passes, once per pass; recompute and segments, when they start over under
-layerwise) gives each run the attributes as the step found them (`restore`). An attribute is the same while it
-holds the same object: a value changed in place inside one (a list appended to) is not seen. A lazy module,
-whose first forward changes its class and attributes, is left out (the transaction puts it back as it was if the
-step fails).
+schedule that runs it again (passes, once per pass; recompute and segments, when they start over under layerwise)
+gives each run the attributes as the step found them (`restore`), and a step that fails puts them back so. An
+attribute is the same while it holds the same object: a value changed in place inside one (a list appended to) is
+not seen. A lazy module, whose first forward changes its class and attributes, is left out (the transaction puts it
+back as it was if the step fails).
 """
 from __future__ import annotations
 

@@ -172,7 +172,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
             with step.bound.waived(None if metered else need):  # far below the budget: no resident checks
                 why = _attempt(schedule, step, meter or store)
         except OverBudget:
-            known[(key, name)] = Figure(meter.need / samples, samples)
+            known[(key, name)] = Figure(meter.need, samples)
             stopped.add((key, name))
             reasons.append(f"{name} would keep more than {format_bytes(budget)} (this step's meter stopped it first)")
         except torch.OutOfMemoryError as e:
@@ -183,7 +183,7 @@ def _auto(step: Step, new_step: Callable[[], Step], store: Store | None, start_o
         else:
             if why is None:
                 if meter is not None:
-                    known[(key, name)] = Figure(meter.need / samples, samples)
+                    known[(key, name)] = Figure(meter.need, samples)
                     stopped.discard((key, name))
                     need = grads + meter.need
                 record_choice(model, Choice(schedule.name, _why(schedule, reasons), need, budget, schedule.settings))
@@ -230,14 +230,14 @@ def _run_last_resort(step: Step, reasons: list[str], budget: int | None, samples
     try:
         schedule.run(step, meter)
     except OverBudget:
-        figures(model)[known] = Figure(meter.need / samples, samples)
+        figures(model)[known] = Figure(meter.need, samples)
         stopped_figures(model).add(known)
         raise ValueError(
-            f"memory_budget is {budget} bytes, but even the passes schedule, which keeps least, needs more than "
-            f"{grads + meter.need} bytes: the step's gradients, {grads}, and what one micro-batch's pass keeps, "
-            f"as far as its meter counted before it stopped the step ({'; '.join(reasons)}). Nothing was changed. "
-            "Give a larger budget, or a smaller micro_batch_size") from None
-    figures(model)[known] = Figure(meter.need / samples, samples)
+            f"memory_budget is {budget} bytes, but even the passes schedule, which keeps least, needs at least "
+            f"{grads + meter.need} bytes: the step's gradients, {grads}, and at least {meter.need} that its pass of "
+            f"one micro-batch keeps, as far as its meter counted before it stopped the step ({'; '.join(reasons)}). "
+            "Nothing was changed. Give a larger budget, or a smaller micro_batch_size") from None
+    figures(model)[known] = Figure(meter.need, samples)
     stopped_figures(model).discard(known)
     record_choice(model, Choice(schedule.name, "; ".join(reasons), grads + meter.need, budget))
     _tell(model, schedule.name, reasons, budget)
@@ -279,7 +279,7 @@ def _agreed(step: Step, new_step: Callable[[], Step], store: Store | None, start
         agreed, meter = SCHEDULES["layerwise"], Meter(None, store, samples, _batch(step))
         reasons.append(why)
         agreed.run(step, meter)
-    known[(key, agreed.label)] = Figure(meter.need / samples, samples)
+    known[(key, agreed.label)] = Figure(meter.need, samples)
     record_choice(model, Choice(agreed.name, _why(agreed, reasons), grads + meter.need, budget, agreed.settings))
     _tell(model, agreed.label, reasons, budget)
     return step

@@ -109,8 +109,13 @@ def run_in_transaction(call: StepCall, names: dict[nn.Module, str],
         # while the step can still be undone.
         with _COLLECTOR_OFF.held(), _exact_forwards(transaction.modules) if call.exact else nullcontext():
             attributes = ModuleAttributes(transaction.modules)  # as the schedule's forwards find them
-            step = run(new_step, start_over)
-            attributes.close()
+            try:
+                step = run(new_step, start_over)
+            except BaseException:
+                attributes.restore()  # a flag or number a forward set, as the step found it
+                raise
+            finally:
+                attributes.close()
         loss = step.losses.result()
         call.collectives.sum_grads_(transaction.params)
         if call.exact:
