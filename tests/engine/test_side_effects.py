@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import accumnorm
+from accumnorm._engine.schedules import decide
 from helpers import (
     EXACT_SCHEDULES,
     STEP_SCHEDULES,
@@ -275,6 +276,31 @@ def test_a_failed_step_puts_back_the_attributes_its_forwards_set(schedule_any):
     with pytest.raises(ValueError, match="a bad micro-batch"):
         accumnorm.backward(model, (x, y), loss_fn, micro_batch_size=2, schedule=schedule_any)
     assert model.state == "fresh"
+    assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("last_resort", [False, True], ids=["passes", "auto-passes"])
+def test_a_loss_fn_that_catches_passes_own_stop_is_refused_naming_it(last_resort, monkeypatch):
+    """passes stops a forward at a norm call with a BaseException of its own: a loss_fn that catches BaseException
+    around the model went on, and the step failed inside passes (an AttributeError on its sums), not saying why."""
+    options = {"schedule": "passes"}
+    if last_resort:
+        monkeypatch.setattr(decide, "_by_memory", lambda: [])  # "auto" straight to its last resort
+        options = {"memory_budget": 2**40}
+    model = vgg(nn.Tanh).double()
+    batch = data((1, 8, 8), 8, torch.float64)
+    snap = snapshot(model)
+
+    def loss_fn(m, b):
+        try:
+            out = m(b[0])
+        except BaseException:  # noqa: BLE001 - the hostile case itself
+            return sum(p.sum() for p in m.parameters()) * 0
+        return F.cross_entropy(out, b[1])
+
+    with pytest.raises(ValueError, match=r"micro-batch 0's forward went on after the passes schedule stopped it.*"
+                                         r"except BaseException"):
+        accumnorm.backward(model, batch, loss_fn, micro_batch_size=2, **options)
     assert_unchanged(model, snap)
 
 

@@ -57,6 +57,7 @@ from .passes_refusals import (
     another_input,
     another_result,
     not_the_same,
+    stop_caught,
     torchs_refusals_said,
     whole_batch_call,
 )
@@ -101,6 +102,7 @@ class _Passes:
         self.finding = False  # whether the statistics passes run, which find the calls: one deeper per pass
         self.grads: OutputGrads | None = None  # with a whole-batch loss, its gradient at every output
         self.forwarding = False  # whether a micro-batch's forward (loss_fn, forward_fn) is running
+        self.stopped = False  # whether the pass stopped the current forward (`_stop`)
         self.runs = SameRuns(len(step.micro_batches))  # each micro-batch's BatchNorm inputs and loss, as its first run
         self.running = RunningStatistics(step.ledger, step.names)
         self.user_functions = False  # whether a complete forward's graph holds a custom autograd.Function of yours
@@ -165,7 +167,7 @@ class _Passes:
             else:
                 call.input = x
                 end_recomputations_here()  # the backward starts from x: no recomputation goes past this call
-            raise StopPass
+            self._stop()
         if self.mode == self.STATS or (self.mode == self.SUMS and i < self.target):
             def output(x: Tensor) -> Tensor:
                 return normalize_with(x, mean, var, w, b, eps)
@@ -202,7 +204,7 @@ class _Passes:
                                    f"{n} InstanceNorm calls")
             self.step.ledger.instance_norm(call, n, self.step.names)
             self.at_instance_norm = True
-            raise StopPass
+            self._stop()
         self.step.ledger.check_instance_norm(call, n, self.step.names)
         self.running.moved(call, self.moved_instance_norms[n])  # a later read finds them moved, as torch's call does
         if self.mode != self.STATS:  # a pass that back-propagates: a checkpointed region's recomputation replays it
@@ -227,9 +229,14 @@ class _Passes:
             self.step.interrupts.check()
             self.step.bound.check()  # what the micro-batch's pass freed, once the step nears its budget (`memory.heap`)
 
+    def _stop(self) -> None:
+        """End the current forward at this call (a truncated pass's target)."""
+        self.stopped = True
+        raise StopPass
+
     def _forward(self, k: int) -> Any:
         """Micro-batch k's forward (its loss, or its outputs); _STOPPED if a truncated pass stopped it at its target."""
-        self.forwarding = True
+        self.forwarding, self.stopped = True, False
         try:
             with self.step.gradients_aside("each micro-batch's forward once per pass"):
                 loss = self.step.forward(k)
@@ -240,6 +247,8 @@ class _Passes:
             raise
         finally:
             self.forwarding = False
+        if self.stopped:  # a function of the user's caught the stop and went on
+            raise stop_caught(k)
         if self.index != len(self.calls):
             raise not_the_same(k, f"{self.index} BatchNorm calls", len(self.calls))
         if not self.runs.same(None, k, tensor_leaves(loss)):

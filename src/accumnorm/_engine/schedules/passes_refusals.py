@@ -13,7 +13,7 @@ from torch import Tensor
 from ..checkpointing.again import CannotCheck, fingerprint, same_outputs
 from ..intercept.calls import BNCall
 
-__all__ = ["SameRuns", "another_input", "another_result", "not_the_same", "torchs_refusals_said",
+__all__ = ["SameRuns", "another_input", "another_result", "not_the_same", "stop_caught", "torchs_refusals_said",
            "whole_batch_call"]
 
 
@@ -125,6 +125,15 @@ def another_result(k: int, what: str) -> ValueError:
         "back-propagates several of those runs: they must give one loss. Random numbers drawn outside torch's "
         "generators (Python's random, numpy) or state a forward changes for the next make each run another. Nothing "
         "was changed. Draw from torch's generators, or use schedule='layerwise', which runs each forward once")
+
+
+def stop_caught(k: int) -> ValueError:
+    """The refusal of micro-batch k's forward, which went on after the passes schedule stopped it at a norm call."""
+    return ValueError(
+        f"bn='exact': micro-batch {k}'s forward went on after the passes schedule stopped it at a norm call: the "
+        "schedule stops a forward with an exception of its own, a BaseException as KeyboardInterrupt is, and your "
+        "function caught it (an `except BaseException:` or a bare `except:` around the model's call). Nothing was "
+        "changed. Catch Exception there, or use schedule='layerwise', which runs each forward once to its end")
 
 
 def whole_batch_call(bn: BNCall, where: str) -> Tensor:
