@@ -254,12 +254,9 @@ class Meter:
         """Count `tensors` as held by every pass from now on (passes' outputs of every micro-batch, for a whole-batch
         loss); raise `OverBudget` past the budget."""
         self.next_pass()
-        for key, nbytes in dict(map(_storage, tensors)).items():
-            if key not in self._seen:
-                self._seen.add(key)
-                self.bytes += nbytes
+        for t in tensors:
+            self._add(t)
         self._held = (self.bytes, set(self._seen))
-        self._check()
 
     @property
     def need(self) -> int:
@@ -282,11 +279,15 @@ class Meter:
         weight transposed); raise `OverBudget` past the budget."""
         base = t if t._base is None else t._base
         if not (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)):
-            key, nbytes = _storage(t)
-            if key not in self._seen:
-                self._seen.add(key)
-                self.bytes += nbytes
-                self._check()
+            self._add(t)
+
+    def _add(self, t: Tensor) -> None:
+        """Count `t`'s storage, once; raise `OverBudget` past the budget."""
+        key, nbytes = _storage(t)
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += nbytes
+            self._check()
 
     def count_objects(self, root: Any, records: tuple[type, ...]) -> None:
         """Count the Python objects of records the step keeps for its backward (`objects`: `root` and what it holds,
